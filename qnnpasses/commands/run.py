@@ -1,0 +1,112 @@
+"""``qnnpasses run``: load a model, run a pipeline with checks and records, write the result."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from qnnpasses.commands.common import add_plugin_args, load_plugins, parse_shape_args
+from qnnpasses.errors import BadInputError, CheckFailedError
+from qnnpasses.instruments import IRDumpInstrument, ProgressInstrument
+from qnnpasses.ir import load_model, save_model
+from qnnpasses.manager import PassManager, RunConfig, RunResult
+from qnnpasses.numerics import ATOL, MIN_COSINE, RTOL, check_inputs, load_inputs
+from qnnpasses.pass_api import PassContext
+from qnnpasses.pipeline import Pipeline, parse_pipeline
+from qnnpasses.pipelines import get_pipeline
+from qnnpasses.report import TABLE_HEADER, build_report, op_histogram, pass_table_rows, write_report
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="run a pipeline of passes on a model")
+    parser.add_argument("model", help="input ONNX model (never modified)")
+    parser.add_argument("-o", "--output", required=True, help="output ONNX model (written atomically)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--pipeline", default=None, help="a named pipeline (see `qnnpasses pipelines`); default htp-llm")
+    which.add_argument("--passes", default=None, metavar="SPEC", help="a textual pipeline, e.g. 'fix-shapes{batch=1},simplify'")
+    parser.add_argument("--report-dir", help="write report.json and report.md here")
+    parser.add_argument("--dump-ir", action="store_true", help="also write the canonical IR after each pass and per-pass diffs (needs --report-dir)")
+    parser.add_argument("--verify", action="store_true", help="compare outputs before/after every pass on onnxruntime CPU; roll back passes that change them")
+    parser.add_argument("--inputs", metavar="X.npz", help="inputs for --verify (default: seeded random inputs)")
+    parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...", help="static shape for an input (repeatable)")
+    parser.add_argument("--allow-lossy", action="store_true", help="allow passes that change outputs on purpose (e.g. mha-to-gqa)")
+    parser.add_argument("--strict", action="store_true", help="stop with exit code 1 when a pass is rolled back")
+    parser.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
+                        help="where weights go in the output (auto: as in the input, always above 1.8 GB)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
+    parser.add_argument("--atol", type=float, default=ATOL, help=f"absolute tolerance of --verify (default {ATOL})")
+    parser.add_argument("--rtol", type=float, default=RTOL, help=f"tolerance relative to max|output| (default {RTOL})")
+    parser.add_argument("--min-cosine", type=float, default=MIN_COSINE, help=f"minimum cosine of --verify (default {MIN_COSINE})")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
+    add_plugin_args(parser)
+    parser.set_defaults(func=main)
+
+
+def resolve_pipeline(args) -> Pipeline:
+    if args.passes is not None:
+        return parse_pipeline(args.passes)
+    return get_pipeline(args.pipeline or "htp-llm")
+
+
+def main(args) -> int:
+    load_plugins(args.plugin)
+    pipeline = resolve_pipeline(args)
+    if args.dump_ir and not args.report_dir:
+        raise BadInputError("--dump-ir needs --report-dir")
+    shapes = parse_shape_args(args.shape)
+    ir = load_model(args.model)
+    _check_shape_names(ir, shapes)
+    inputs = None
+    if args.inputs:
+        inputs = load_inputs(args.inputs)
+        check_inputs(ir, inputs)
+
+    instruments = [] if args.quiet else [ProgressInstrument()]
+    if args.dump_ir:
+        instruments.append(IRDumpInstrument(Path(args.report_dir) / "ir"))
+    config = RunConfig(verify=args.verify, strict=args.strict, allow_lossy=args.allow_lossy, inputs=inputs,
+                       seed=args.seed, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
+    manager = PassManager(pipeline, config, instruments, PassContext(allow_lossy=args.allow_lossy, shapes=shapes))
+    ops_before = op_histogram(ir)
+    try:
+        result = manager.run(ir)
+    except CheckFailedError:
+        if args.report_dir:
+            partial = RunResult(manager.records)
+            write_report(build_report(input_path=args.model, output_path=None, pipeline_text=pipeline.to_text(),
+                                      result=partial, before=ops_before, after=op_histogram(ir)), args.report_dir)
+        raise
+
+    external = {"auto": None, "always": True, "never": False}[args.external_data]
+    save_model(ir, args.output, external_data=external)
+    report = build_report(input_path=args.model, output_path=args.output, pipeline_text=pipeline.to_text(),
+                          result=result, before=ops_before, after=op_histogram(ir))
+    if args.report_dir:
+        write_report(report, args.report_dir)
+    if not args.quiet:
+        _print_table(report)
+    return 0
+
+
+def _check_shape_names(ir, shapes: dict[str, list[int]]) -> None:
+    names = {t.name for t in ir.graph.inputs}
+    unknown = sorted(set(shapes) - names)
+    if unknown:
+        raise BadInputError(f"--shape names unknown inputs {unknown} (inputs: {sorted(names)})")
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['input']} → {report['output']}: {report['nodes_before']} → {report['nodes_after']} nodes")
+    for column in TABLE_HEADER:
+        table.add_column(column, overflow="fold")
+    for row in pass_table_rows(report):
+        table.add_row(*row)
+    console = Console(file=sys.stdout, highlight=False, width=max(120, Console().width))
+    console.print(table)
+    final = report.get("final_verification")
+    if final:
+        console.print(f"end-to-end vs input on onnxruntime CPU: max abs {final['max_abs']:.3g}, cosine {final['cosine']:.8f}",
+                      markup=False)

@@ -1,0 +1,157 @@
+"""Small helpers that rewrite passes share: finding producers and constant values,
+rewiring consumers, and making constants and nodes with fresh names.
+
+They work on onnx-graphsurgeon objects.  Nothing here mutates constant arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.ir import IRModel
+from qnnpasses.pass_api import PassContext
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    """The node that computes ``tensor`` (None for graph inputs and constants)."""
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def producer_op(tensor: gs.Tensor, op: str | Sequence[str]) -> gs.Node | None:
+    """The producer of ``tensor`` if its op type is ``op`` (or one of them)."""
+    node = producer(tensor)
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    return node if node is not None and node.op in ops else None
+
+
+def single_consumer(tensor: gs.Tensor, graph: gs.Graph | None = None) -> gs.Node | None:
+    """The only node reading ``tensor``, if exactly one does and it is not a graph output."""
+    if len(tensor.outputs) != 1:
+        return None
+    if graph is not None and tensor in graph.outputs:
+        return None
+    return tensor.outputs[0]
+
+
+def constant_value(tensor: gs.Tensor | None) -> np.ndarray | None:
+    """The value of a tensor known at rewrite time: an initializer or a Constant node's output."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant" and not node.inputs:
+        value = node.attrs.get("value")
+        if isinstance(value, gs.Constant):
+            return np.asarray(value.values)
+        for key, dtype in (("value_float", np.float32), ("value_int", np.int64)):
+            if key in node.attrs:
+                return np.asarray(node.attrs[key], dtype=dtype)
+        for key, dtype in (("value_floats", np.float32), ("value_ints", np.int64)):
+            if key in node.attrs:
+                return np.asarray(node.attrs[key], dtype=dtype)
+    return None
+
+
+def is_scalar_constant(tensor: gs.Tensor | None, expected: float | None = None, rtol: float = 1e-6) -> bool:
+    """True when ``tensor`` is a constant with a single distinct value (equal to ``expected`` if given)."""
+    value = constant_value(tensor)
+    if value is None or value.size == 0:
+        return False
+    flat = value.ravel()
+    if not np.all(flat == flat[0]):
+        return False
+    return expected is None or bool(np.isclose(float(flat[0]), expected, rtol=rtol, atol=0.0))
+
+
+def scalar(tensor: gs.Tensor | None) -> float | None:
+    value = constant_value(tensor)
+    if value is None or value.size == 0 or not np.all(value.ravel() == value.ravel()[0]):
+        return None
+    return float(value.ravel()[0])
+
+
+def other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
+    """For a binary node, the input that is not ``tensor``."""
+    if len(node.inputs) != 2:
+        return None
+    if node.inputs[0] is tensor:
+        return node.inputs[1]
+    if node.inputs[1] is tensor:
+        return node.inputs[0]
+    return None
+
+
+def can_replace(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> bool:
+    """Whether :func:`replace_all_uses` may substitute ``new`` for ``old``.
+
+    A graph output can be replaced only by a computed tensor that is not itself part
+    of the interface: renaming a graph input, a constant or another output would
+    change what the model exposes.
+    """
+    if old not in graph.outputs:
+        return True
+    return not (isinstance(new, gs.Constant) or new in graph.inputs or new in graph.outputs)
+
+
+def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Make every consumer of ``old`` (and the graph outputs) read ``new`` instead.
+
+    When ``old`` is a graph output, the output keeps its name: ``new`` takes the name
+    (and ``old`` gets a fresh one) so that the model's interface does not change.
+    Check :func:`can_replace` first.
+    """
+    if not can_replace(graph, old, new):
+        raise ValueError(f"cannot replace graph output '{old.name}' by interface tensor '{new.name}'")
+    # Subgraphs capture outer tensors by object, so rewiring consumers covers them too.
+    for consumer in list(old.outputs):
+        for index, tensor in enumerate(consumer.inputs):
+            if tensor is old:
+                consumer.inputs[index] = new  # element-wise: graphsurgeon's lists reject slice assignment
+    if old in graph.outputs:
+        name, dtype, shape = old.name, old.dtype, old.shape
+        old.name = f"{name}__replaced"
+        new.name = name
+        if new.dtype is None:
+            new.dtype = dtype
+        if new.shape is None:
+            new.shape = shape
+        graph.outputs = [new if t is old else t for t in graph.outputs]
+
+
+def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value: np.ndarray) -> gs.Constant:
+    """A new initializer with a fresh name."""
+    return gs.Constant(ctx.unique_name(ir, prefix), np.ascontiguousarray(value))
+
+
+def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor], *, name_hint: str,
+              attrs: dict | None = None, num_outputs: int = 1, dtype=None, shape=None,
+              domain: str | None = None) -> gs.Node:
+    """Append a node with a fresh name and fresh output tensors to the main graph."""
+    outputs = [gs.Variable(ctx.unique_name(ir, f"{name_hint}_out"), dtype=dtype, shape=shape) for _ in range(num_outputs)]
+    node = gs.Node(op=op, name=ctx.unique_name(ir, name_hint), attrs=attrs or {}, inputs=list(inputs), outputs=outputs,
+                   domain=domain)
+    ir.graph.nodes.append(node)
+    return node
+
+
+def drop_nodes(graph: gs.Graph, nodes: Iterable[gs.Node]) -> None:
+    """Disconnect nodes so that ``graph.cleanup()`` removes them (call it at the end of the pass)."""
+    for node in nodes:
+        node.outputs.clear()
+        node.inputs.clear()
+
+
+def finish(ir: IRModel) -> None:
+    """Remove what rewrites left unreachable and restore a topological order."""
+    ir.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True).toposort()
+
+
+def last_axis(axis: int, rank: int | None) -> bool:
+    """True when ``axis`` names the last dimension of a tensor of ``rank``."""
+    if rank is None:
+        return axis == -1
+    return axis in (-1, rank - 1)

@@ -1,0 +1,224 @@
+"""The pass manager: rollback, skipping, fixed points, strict mode and per-pass records."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import pytest
+
+from conftest import fixture_inputs, fixture_outputs, fixture_path
+from qnnpasses.errors import CheckFailedError
+from qnnpasses.instruments import IRDumpInstrument
+from qnnpasses.ir import load_model
+from qnnpasses.manager import CHANGED, ROLLED_BACK, SKIPPED, UNCHANGED, Instrument, PassManager, RunConfig
+from qnnpasses.numerics import run_cpu
+from qnnpasses.pass_api import STATIC_SHAPES, Pass, PassContext, PassResult, register_pass
+from qnnpasses.pipeline import parse_pipeline
+
+FIXTURE = "bert_ts"
+
+
+def _first(ir, op):
+    return next(n for n in ir.graph.nodes if n.op == op)
+
+
+@register_pass
+class AddBecomesSub(Pass):
+    """Deliberately wrong: valid graph, different numbers."""
+
+    name = "test-add-becomes-sub"
+    summary = "turns the first Add into Sub (deliberately wrong, tests only)"
+
+    def run(self, ir, ctx):
+        _first(ir, "Add").op = "Sub"
+        return PassResult(changed=True, stats={"broken": 1})
+
+
+@register_pass
+class Crashes(Pass):
+    name = "test-crashes"
+    summary = "half-rewrites the graph, then raises (tests only)"
+
+    def run(self, ir, ctx):
+        ir.graph.nodes.pop()
+        raise RuntimeError("boom")
+
+
+@register_pass
+class BreaksGraph(Pass):
+    name = "test-breaks-graph"
+    summary = "leaves a node reading a tensor nobody produces (tests only)"
+
+    def run(self, ir, ctx):
+        _first(ir, "MatMul").inputs[0] = gs.Variable("nobody_makes_this", dtype=np.float32)
+        return PassResult(changed=True)
+
+
+def _insert_before_output(ir, ctx, op, prefix):
+    """Put a unary ``op`` node between the first graph output and its producer."""
+    out = ir.graph.outputs[0]
+    producer = out.inputs[0]
+    fresh = gs.Variable(ctx.unique_name(ir, f"pre_{prefix}"), dtype=out.dtype, shape=out.shape)
+    producer.outputs[producer.outputs.index(out)] = fresh
+    ir.graph.nodes.append(gs.Node(op, name=ctx.unique_name(ir, prefix), inputs=[fresh], outputs=[out]))
+
+
+@register_pass
+class InsertNeg(Pass):
+    """Lossy on purpose: negates the first output."""
+
+    name = "test-lossy-negate"
+    summary = "negates the first output (lossy, tests only)"
+    lossless = False
+
+    def run(self, ir, ctx):
+        _insert_before_output(ir, ctx, "Neg", "neg")
+        return PassResult(changed=True)
+
+
+@register_pass
+class NeedsStatic(Pass):
+    name = "test-needs-static"
+    summary = "requires static shapes (tests only)"
+    requires = frozenset({STATIC_SHAPES})
+
+    def run(self, ir, ctx):
+        return PassResult(changed=False, stats={"ran": 1})
+
+
+@register_pass
+class DoubleIdentity(Pass):
+    """Adds an Identity before the output each run, three in total."""
+
+    name = "test-grow"
+    summary = "adds an Identity before the first output, a few times (tests only)"
+
+    def run(self, ir, ctx):
+        identities = sum(1 for n in ir.graph.nodes if n.name.startswith("grow"))
+        if identities >= 3:
+            return PassResult(changed=False)
+        _insert_before_output(ir, ctx, "Identity", "grow")
+        return PassResult(changed=True, stats={"added": 1})
+
+
+def _run(spec, verify=True, **config):
+    ir = load_model(fixture_path(FIXTURE))
+    manager = PassManager(parse_pipeline(spec), RunConfig(verify=verify, inputs=fixture_inputs(FIXTURE), **config))
+    return ir, manager.run(ir)
+
+
+def _assert_outputs_unchanged(ir):
+    for name, expected in fixture_outputs(FIXTURE).items():
+        np.testing.assert_allclose(run_cpu(ir, fixture_inputs(FIXTURE))[name], expected, atol=1e-5)
+
+
+def test_numerically_wrong_pass_is_rolled_back_with_figures():
+    ir, result = _run("test-add-becomes-sub,cleanup")
+    record = result.records[0]
+    assert record.status == ROLLED_BACK and not record.changed
+    assert "outputs changed beyond tolerance" in record.reason
+    assert record.verification["max_abs"] > 1e-3 and record.verification["cosine"] < 0.99999
+    assert not any(n.op == "Sub" and n.name == _first(ir, "Add").name for n in ir.graph.nodes)
+    assert result.records[1].status == UNCHANGED  # the pipeline went on
+    _assert_outputs_unchanged(ir)
+
+
+def test_without_verify_a_wrong_pass_is_kept():
+    ir, result = _run("test-add-becomes-sub", verify=False)
+    assert result.records[0].status == CHANGED
+    assert result.records[0].op_delta == {"Add": -1, "Sub": 1}
+
+
+def test_crashing_pass_is_rolled_back():
+    ir, result = _run("test-crashes")
+    assert result.records[0].status == ROLLED_BACK
+    assert "RuntimeError: boom" in result.records[0].reason
+    assert len(ir.graph.nodes) == result.records[0].nodes_before
+    _assert_outputs_unchanged(ir)
+
+
+def test_pass_breaking_the_graph_is_rolled_back_even_without_verify():
+    ir, result = _run("test-breaks-graph", verify=False)
+    assert result.records[0].status == ROLLED_BACK
+    assert "graph check failed" in result.records[0].reason
+    _assert_outputs_unchanged(ir)
+
+
+def test_strict_mode_stops_with_check_failed():
+    with pytest.raises(CheckFailedError, match="test-add-becomes-sub"):
+        _run("test-add-becomes-sub,cleanup", strict=True)
+
+
+def test_lossy_pass_needs_allow_lossy_and_then_reports_its_deviation():
+    _, skipped = _run("test-lossy-negate")
+    assert skipped.records[0].status == SKIPPED and "--allow-lossy" in skipped.records[0].reason
+    ir, result = _run("test-lossy-negate", allow_lossy=True)
+    record = result.records[0]
+    assert record.status == CHANGED and record.lossless is False
+    assert record.verification["cosine"] == pytest.approx(-1.0)
+    assert [a["op_type"] for a in record.added] == ["Neg"]
+    assert result.final_verification["cosine"] == pytest.approx(-1.0)
+
+
+def test_requirement_not_met_skips_with_reason(tmp_path):
+    import onnx
+
+    model = onnx.load(fixture_path(FIXTURE))
+    for inp in model.graph.input:
+        inp.type.tensor_type.shape.dim[1].dim_param = "sequence"
+    del model.graph.value_info[:]
+    path = tmp_path / "dynamic.onnx"
+    onnx.save(model, path)
+    ir = load_model(path)
+    result = PassManager(parse_pipeline("test-needs-static")).run(ir)
+    assert result.records[0].status == SKIPPED and "static input shapes" in result.records[0].reason
+    result = PassManager(parse_pipeline("test-needs-static")).run(load_model(fixture_path(FIXTURE)))
+    assert result.records[0].stats == {"ran": 1}
+
+
+def test_repeat_runs_to_a_fixed_point_under_its_cap():
+    ir, result = _run("repeat{max=10}(test-grow)")
+    statuses = [(r.iteration, r.status) for r in result.records]
+    assert statuses == [(1, CHANGED), (2, CHANGED), (3, CHANGED), (4, UNCHANGED)]
+    ir, result = _run("repeat{max=2}(test-grow)")
+    assert [r.iteration for r in result.records] == [1, 2]
+
+
+def test_records_list_added_and_removed_nodes_exactly():
+    ir, result = _run("test-grow")
+    record = result.records[0]
+    assert record.removed == []
+    assert [a["op_type"] for a in record.added] == ["Identity"]
+    assert record.nodes_after == record.nodes_before + 1
+    assert record.op_delta == {"Identity": 1}
+
+
+def test_instruments_see_every_pass_and_dump_diffs(tmp_path):
+    seen = []
+
+    class Recorder(Instrument):
+        def before_pass(self, pass_, ir, record):
+            seen.append(("before", pass_.name))
+
+        def after_pass(self, pass_, ir, record):
+            seen.append(("after", pass_.name, record.status))
+
+    ir = load_model(fixture_path(FIXTURE))
+    PassManager(parse_pipeline("test-grow,test-add-becomes-sub"), RunConfig(verify=True),
+                [Recorder(), IRDumpInstrument(tmp_path)]).run(ir)
+    assert seen == [("before", "test-grow"), ("after", "test-grow", CHANGED),
+                    ("before", "test-add-becomes-sub"), ("after", "test-add-becomes-sub", ROLLED_BACK)]
+    diff = (tmp_path / "01-test-grow.diff").read_text()
+    added = [line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    removed = [line for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")]
+    # one new Identity line; its producer's line changes because its output was renamed
+    assert sum(" : Identity(" in line for line in added) == 1 and len(added) == 2
+    assert len(removed) == 1 and "-> (last_hidden_state)" in removed[0]
+    assert not (tmp_path / "02-test-add-becomes-sub.diff").exists()
+
+
+def test_unique_names_do_not_collide():
+    ir = load_model(fixture_path(FIXTURE))
+    ctx = PassContext()
+    names = {ctx.unique_name(ir, "x") for _ in range(50)}
+    assert len(names) == 50 and not names & set(ir.graph.tensors())
