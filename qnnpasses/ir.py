@@ -439,7 +439,15 @@ def resolve_stubs(proto: onnx.ModelProto, sources: list[Source], data_file: Path
                 _write_external(tensor, chunks, out, data_file)
     finally:
         if out is not None:
+            out.truncate(out.tell())  # a trailing hole still needs the file to reach its end
             out.close()
+
+
+def _all_zero(chunk: bytes | memoryview) -> bool:
+    data = chunk if isinstance(chunk, bytes) else bytes(chunk) if len(chunk) < 4096 else None
+    if data is None:
+        return not np.frombuffer(chunk, dtype=np.uint8).any()
+    return data.count(0) == len(data)
 
 
 def _write_external(tensor: onnx.TensorProto, chunks, out, data_file: Path) -> None:
@@ -449,7 +457,10 @@ def _write_external(tensor: onnx.TensorProto, chunks, out, data_file: Path) -> N
         position = out.tell()
     length = 0
     for chunk in chunks:
-        out.write(chunk)
+        if _all_zero(chunk):
+            out.seek(len(chunk), os.SEEK_CUR)  # keep holes: a sparse input stays sparse
+        else:
+            out.write(chunk)
         length += len(chunk)
     tensor.ClearField("raw_data")
     del tensor.external_data[:]
