@@ -123,8 +123,11 @@ def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
 
 
 def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value: np.ndarray) -> gs.Constant:
-    """A new initializer with a fresh name."""
-    return gs.Constant(ctx.unique_name(ir, prefix), np.ascontiguousarray(value))
+    """A new initializer with a fresh name (0-d values stay 0-d, unlike ``np.ascontiguousarray``)."""
+    array = np.asarray(value)
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    return gs.Constant(ctx.unique_name(ir, prefix), array)
 
 
 def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor], *, name_hint: str,
