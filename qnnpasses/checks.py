@@ -33,7 +33,7 @@ def check_proto(proto: onnx.ModelProto) -> tuple[str | None, onnx.ModelProto | N
     unknown = _unknown_operator(proto)
     if unknown:
         return unknown, None
-    proto = _stubs_as_inputs(proto)
+    proto = stubs_as_inputs(proto)
     try:
         onnx.checker.check_model(proto)
     except Exception as exc:  # ValidationError, or other types the C++ checker raises on odd protos
@@ -64,7 +64,7 @@ def _walk_nodes(graph: onnx.GraphProto):
                     yield from _walk_nodes(g)
 
 
-def _stubs_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+def stubs_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
     """A copy in which stubbed initializers are typed graph inputs instead.
 
     The checker insists that external data files exist; stubs point nowhere on
@@ -106,7 +106,7 @@ def _stubs_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def infer_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
-    return onnx.shape_inference.infer_shapes(_stubs_as_inputs(proto), data_prop=True)
+    return onnx.shape_inference.infer_shapes(stubs_as_inputs(proto), data_prop=True)
 
 
 def refresh_shapes(ir: IRModel) -> None:

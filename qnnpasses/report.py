@@ -40,19 +40,19 @@ def write_report(report: dict[str, Any], directory: str | Path) -> tuple[Path, P
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "report.json", out / "report.md"
-    json_path.write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    json_path.write_text(json.dumps(json_safe(report), indent=2) + "\n")
     md_path.write_text(render_markdown(report))
     return json_path, md_path
 
 
-def _json_safe(value):
+def json_safe(value):
     """JSON has no NaN or infinity: write them as strings so every reader can parse the file."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
