@@ -24,7 +24,7 @@ import numpy as np
 from qnnpasses.checks import check_model
 from qnnpasses.errors import CheckFailedError
 from qnnpasses.ir import IRModel
-from qnnpasses.numerics import ATOL, MIN_COSINE, RTOL, compare_outputs, make_inputs, run_cpu
+from qnnpasses.numerics import ATOL, MIN_COSINE, RTOL, adapt_inputs, compare_outputs, make_inputs, run_cpu
 from qnnpasses.pass_api import STATIC_SHAPES, Pass, PassContext, PassResult
 from qnnpasses.pipeline import Item, Pipeline, Repeat, format_items
 from qnnpasses.shapes import has_static_shapes
@@ -123,19 +123,28 @@ class PassManager:
         self.records = []
         original_outputs = None
         if self.config.verify:
-            self._inputs = self.config.inputs or make_inputs(ir, self.config.seed, self.context.shapes)
+            self._inputs = self.config.inputs or make_inputs(ir, self.config.seed, self._planned_shapes(ir))
             original_outputs = self._reference = run_cpu(ir, self._inputs)
         for instrument in self.instruments:
             instrument.before_pipeline(ir, self.pipeline)
         self._run_items(self.pipeline.items, ir, iteration=None)
         result = RunResult(self.records)
         if original_outputs is not None:
-            final = compare_outputs(original_outputs, run_cpu(ir, self._inputs), atol=self.config.atol,
+            final = compare_outputs(original_outputs, run_cpu(ir, adapt_inputs(ir, self._inputs)), atol=self.config.atol,
                                     rtol=self.config.rtol, min_cosine=self.config.min_cosine)
             result.final_verification = final.summary()
         for instrument in self.instruments:
             instrument.after_pipeline(ir, result)
         return result
+
+    def _planned_shapes(self, ir: IRModel) -> dict[str, list[int]]:
+        """Input shapes for verification: what a shape-fixing pass in the pipeline will set,
+        so that inputs made before it still fit after it; ``--shape`` wins."""
+        for pass_ in self.pipeline.passes():
+            planned = pass_.planned_input_shapes(ir, self.context)
+            if planned:
+                return {**planned, **self.context.shapes}
+        return dict(self.context.shapes)
 
     def _run_items(self, items: list[Item], ir: IRModel, iteration: int | None) -> bool:
         changed = False
@@ -206,7 +215,7 @@ class PassManager:
 
     def _verify(self, pass_: Pass, ir: IRModel, record: PassRecord) -> bool:
         try:
-            outputs = run_cpu(ir, self._inputs)
+            outputs = run_cpu(ir, adapt_inputs(ir, self._inputs))
         except Exception as exc:
             record.reason = f"onnxruntime cannot run the rewritten graph: {str(exc).strip().splitlines()[0][:300]}"
             return False

@@ -109,6 +109,27 @@ def _index_bound(tensor: gs.Variable) -> int | None:
     return min(bounds) if bounds else None
 
 
+def adapt_inputs(ir: IRModel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same input values in the dtypes the graph now declares.
+
+    A pass may narrow an integer input (int64 token ids to int32); the values a
+    verification run feeds are then cast when they fit, so before/after runs see the
+    same numbers.
+    """
+    adapted = dict(inputs)
+    for tensor in ir.graph.inputs:
+        value = inputs.get(tensor.name)
+        if value is None or tensor.dtype is None:
+            continue
+        want = np.dtype(tensor.dtype)
+        if want == value.dtype or want.kind not in "iub" or value.dtype.kind not in "iub":
+            continue
+        if want.kind != "b" and value.size and (value.min() < np.iinfo(want).min or value.max() > np.iinfo(want).max):
+            continue
+        adapted[tensor.name] = value.astype(want)
+    return adapted
+
+
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     file = Path(path)
     if not file.is_file():

@@ -107,6 +107,14 @@ class Pass:
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def planned_input_shapes(self, ir: IRModel, ctx: PassContext) -> dict[str, list[int]] | None:
+        """The static input shapes this pass will set, if it sets any (fix-shapes does).
+
+        The manager makes its verification inputs with these shapes, so that the same
+        inputs run before and after the pass.
+        """
+        return None
+
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:
         return list(dataclasses.fields(cls.Options))

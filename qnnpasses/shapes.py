@@ -29,10 +29,14 @@ def resolve_dim(dim, input_name: str = "", index: int = 0, *, batch: int = DEFAU
     """A concrete value for ``dim``: itself when static, else by its name and position."""
     if is_static(dim):
         return int(dim)
-    name = str(dim or "")
+    name = str(dim or "").strip()
+    if "+" in name:  # 'past_sequence_length + 1', 'past + sequence': the sum of its terms
+        return sum(resolve_dim(term.strip(), input_name, index, batch=batch, sequence=sequence, past=past)
+                   for term in name.split("+"))
+    if name.isdigit():
+        return int(name)
     if _PAST.search(name):
-        total = re.search(r"\+\s*(\d+)", name)
-        return past + int(total.group(1)) if total else past
+        return past
     if _BATCH.search(name) or (not name and index == 0):
         return batch
     return sequence
