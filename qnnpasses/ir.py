@@ -11,6 +11,7 @@ bytes, streaming each tensor once into the output.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,7 +108,11 @@ class IRModel:
     def copy(self) -> "IRModel":
         """A structural copy for rollback; constant arrays are shared, never mutated in place."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        fields.update(graph=self.graph.copy(), metadata_props=dict(self.metadata_props))
+        graph = self.graph.copy()
+        # graphsurgeon's copy shares the opset-import objects: a pass that raises an
+        # opset in place must not change the rollback copy too
+        graph.import_domains = copy.deepcopy(self.graph.import_domains)
+        fields.update(graph=graph, metadata_props=dict(self.metadata_props))
         return IRModel(**fields)
 
 
