@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from qnnpasses.checks import check_model
-from qnnpasses.errors import CheckFailedError
+from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir import IRModel
 from qnnpasses.numerics import ATOL, MIN_COSINE, RTOL, adapt_inputs, compare_outputs, make_inputs, run_cpu
 from qnnpasses.pass_api import STATIC_SHAPES, Pass, PassContext, PassResult
@@ -124,7 +124,12 @@ class PassManager:
         original_outputs = None
         if self.config.verify:
             self._inputs = self.config.inputs or make_inputs(ir, self.config.seed, self._planned_shapes(ir))
-            original_outputs = self._reference = run_cpu(ir, self._inputs)
+            try:
+                original_outputs = self._reference = run_cpu(ir, self._inputs)
+            except Exception as exc:
+                shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in self._inputs.items())
+                raise BadInputError(f"onnxruntime cannot run the input model on the verification inputs ({shapes}): "
+                                    f"{str(exc).strip().splitlines()[0][:200]}; give --shape or --inputs") from None
         for instrument in self.instruments:
             instrument.before_pipeline(ir, self.pipeline)
         self._run_items(self.pipeline.items, ir, iteration=None)

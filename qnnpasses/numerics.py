@@ -160,7 +160,7 @@ def run_cpu(ir_or_path: IRModel | str | os.PathLike, inputs: dict[str, np.ndarra
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures reach the user as one line, not as onnxruntime's log
     if isinstance(ir_or_path, IRModel):
         if ir_or_path.weight_bytes() <= INLINE_LIMIT_BYTES:
             session = ort.InferenceSession(to_model_bytes(ir_or_path), options, providers=["CPUExecutionProvider"])

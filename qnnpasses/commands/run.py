@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--atol", type=float, default=ATOL, help=f"absolute tolerance of --verify (default {ATOL})")
     parser.add_argument("--rtol", type=float, default=RTOL, help=f"tolerance relative to max|output| (default {RTOL})")
     parser.add_argument("--min-cosine", type=float, default=MIN_COSINE, help=f"minimum cosine of --verify (default {MIN_COSINE})")
+    parser.add_argument("--emit", metavar="DIR", help="end with the QNN converter package (DIR/qnn_package) and "
+                        "the compiled HTP context model (DIR/model_ctx.onnx)")
+    parser.add_argument("--calib", metavar="DATA", help="calibration samples for --emit (.npz, folder of .npz, or input_list.txt)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
     add_plugin_args(parser)
     parser.set_defaults(func=main)
@@ -53,6 +56,8 @@ def main(args) -> int:
     pipeline = resolve_pipeline(args)
     if args.dump_ir and not args.report_dir:
         raise BadInputError("--dump-ir needs --report-dir")
+    if args.calib and not args.emit:
+        raise BadInputError("--calib is used by --emit; give --emit DIR too")
     shapes = parse_shape_args(args.shape)
     ir = load_model(args.model)
     _check_shape_names(ir, shapes)
@@ -81,6 +86,10 @@ def main(args) -> int:
     save_model(ir, args.output, external_data=external)
     report = build_report(input_path=args.model, output_path=args.output, pipeline_text=pipeline.to_text(),
                           result=result, before=ops_before, after=op_histogram(ir))
+    if args.emit:
+        from qnnpasses.handoff import emit
+
+        report["emit"] = emit(args.output, args.emit, calib=args.calib)
     if args.report_dir:
         write_report(report, args.report_dir)
     if not args.quiet:

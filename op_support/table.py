@@ -1,0 +1,58 @@
+"""Loading the op-support tables (``op_support/tables/*.json``).
+
+A table is data, measured on the real backend and committed; this module only finds,
+loads and indexes it.  Schema (one table per backend)::
+
+    {"backend": "htp", "qnn_version": "2.40", "htp_arch": "v73", "precision": "...",
+     "global": {"max_rank": 5, "rules": [RULE...], "notes": [...]},
+     "ops": {"ai.onnx": {"Softmax": ENTRY, ...}, "com.microsoft": {...}}}
+
+    ENTRY = {"supported": true,            # false: the EP rejects the op outright
+             "qnn_ops": ["Softmax"],       # QNN op(s) the node becomes
+             "opset": [1, 23],             # ONNX opsets the EP handles
+             "inputs":  [{"name": "input", "dtypes": ["float32", "float16"]}, ...],
+             "outputs": [{"name": "output", "dtypes": [...]}],
+             "variadic": false,            # the last input spec repeats
+             "max_rank": 5,                # of every tensor the node touches
+             "rules": [RULE...],           # attribute / constant-input / combination constraints
+             "notes": ["non-last axis: the EP adds two Transposes"],
+             "source": ["build/Softmax/float32-r6-axis=-1: cpu", ...],
+             "cpu": true}                  # QNN CPU backend verdict, where measured
+
+    RULE = {"check": "<kind>", ..., "reason": "...", "source": [...]}
+
+Rule kinds are evaluated by :mod:`qnnpasses.op_support.checker`.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+TABLES_DIR = Path(__file__).resolve().parent / "tables"
+DEFAULT_DOMAIN = "ai.onnx"
+
+
+def normalize_domain(domain: str | None) -> str:
+    """ONNX's default domain has two spellings: "" and "ai.onnx"."""
+    return DEFAULT_DOMAIN if domain in (None, "", "ai.onnx") else domain
+
+
+@lru_cache(maxsize=None)
+def _load(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def load_table(name_or_path: str | Path = "htp") -> dict[str, Any]:
+    """A table by backend name ("htp") or path.  Cached: treat the result as read-only."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = TABLES_DIR / f"{name_or_path}.json"
+    return _load(str(path.resolve()))
+
+
+def lookup(table: dict[str, Any], op_type: str, domain: str | None = "") -> dict[str, Any] | None:
+    """The table entry of an op, or None if the table does not know it."""
+    return table.get("ops", {}).get(normalize_domain(domain), {}).get(op_type)

@@ -1,0 +1,56 @@
+"""``qnnpasses convert``: write the converter package for the QNN SDK tools (and run them if present).
+
+DIR gets ``model.onnx``, ``input_list.txt`` + raw calibration files (``--calib``: a .npz,
+a folder of .npz files keyed by input name, or an existing input_list.txt),
+``quant_overrides.json`` (``--overrides``) and ``convert.sh`` with the documented
+``qnn-onnx-converter`` / ``qnn-model-lib-generator`` / ``qnn-context-binary-generator``
+commands.  With an SDK (``--sdk DIR`` or ``$QNN_SDK_ROOT``) the commands run now.
+"""
+
+from __future__ import annotations
+
+import json
+
+from qnnpasses.errors import BadInputError, CheckFailedError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="write a qnn-onnx-converter package (input list, raw files, convert.sh)")
+    p.add_argument("model", help="ONNX model (never modified)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="package folder")
+    p.add_argument("--calib", metavar="DATA", help="calibration samples: X.npz, a folder of .npz, or an input_list.txt")
+    p.add_argument("--overrides", metavar="FILE", help="quantization overrides JSON to pass to the converter")
+    p.add_argument("--sdk", metavar="DIR", help="QNN SDK root (default $QNN_SDK_ROOT); the tools run when found")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from qnnpasses.handoff.package import write_package
+    from qnnpasses.handoff.sdk import find_sdk
+
+    if args.sdk and find_sdk(args.sdk) is None:
+        raise BadInputError(f"--sdk {args.sdk}: no bin/x86_64-linux-clang/qnn-onnx-converter there")
+    report = write_package(args.model, args.output, calib=args.calib, overrides=args.overrides, sdk=args.sdk)
+    print(json.dumps(report, indent=2) if args.format == "json" else render_text(report))
+    failed = [s for s in report.get("steps", []) if s["returncode"] != 0]
+    if failed:
+        raise CheckFailedError(f"{failed[0]['step']} failed (exit {failed[0]['returncode']}); see {args.output}/{failed[0]['log']}")
+    return 0
+
+
+def render_text(report: dict) -> str:
+    lines = [f"{report['package']}: model.onnx, {report['samples']} calibration sample(s)"
+             + (", input_list.txt" if report.get("input_list") else "")
+             + (", quant_overrides.json" if report.get("overrides") else "") + ", convert.sh"]
+    for item in report["inputs"]:
+        lines.append(f"  input {item['name']}: raw {item['raw_dtype']}")
+    if report.get("sdk") is None:
+        lines.append(report["sdk_message"])
+    else:
+        for step in report.get("steps", []):
+            status = "ok" if step["returncode"] == 0 else f"FAILED (exit {step['returncode']})"
+            lines.append(f"  {step['step']}: {status} in {step['seconds']} s (log {step['log']})")
+        if report.get("context_binary"):
+            lines.append(f"  context binary: {report['context_binary']}")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Compile a model for the HTP for real, without the QNN SDK: an EPContext model.
+
+The ONNX Runtime QNN EP can dump the graph it prepared for the HTP as a context binary
+wrapped in an ONNX model of ``com.microsoft::EPContext`` nodes.  It does so when the
+session is created with the session config entries (ONNX Runtime "EP Context Design"
+page, "OnnxRuntime Session Options Related to EP Context Cache Generation"):
+
+* ``ep.context_enable`` = ``1`` — dump the EPContext model;
+* ``ep.context_file_path`` — where to write it;
+* ``ep.context_embed_mode`` — ``1`` puts the context binary inside the model (protobuf caps
+  a model at 2 GB), ``0`` writes ``<name>_qnn.bin`` beside it.
+
+Loading that model skips graph preparation, which is the point ("very slow first run ->
+cache the compiled context").  Every session here runs in a fresh child process
+(``python -m qnnpasses.handoff.epcontext``): the backend may abort its process on a failed
+finalize, and a fair load-time comparison needs a cold process for each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+EMBED_LIMIT_BYTES = 2_000_000_000
+CHILD_TIMEOUT = 900.0
+
+
+# --------------------------------------------------------------------------- child side
+
+
+def _session(model: str, *, fp16: bool, config: dict[str, str] | None = None):
+    import onnxruntime as ort
+
+    from qnnpasses.htp import HTP_ARCH, SOC_MODEL, _qnn_devices, provider_options
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
+    # the target is named in both precisions: a context binary is prepared for one SoC
+    target = {"soc_model": SOC_MODEL, "htp_arch": HTP_ARCH}
+    so.add_provider_for_devices(_qnn_devices(), provider_options(fp16=fp16, extra_options=target))
+    return ort.InferenceSession(model, sess_options=so)
+
+
+def _child(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qnnpasses.handoff.epcontext")
+    parser.add_argument("mode", choices=("compile", "load"))
+    parser.add_argument("model")
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--embed", default="1")
+    parser.add_argument("--no-fp16", dest="fp16", action="store_false")
+    parser.add_argument("--inputs")
+    parser.add_argument("--outputs")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"ok": False}
+    try:
+        config = None
+        if args.mode == "compile":
+            config = {"ep.context_enable": "1", "ep.context_file_path": args.out, "ep.context_embed_mode": args.embed}
+        start = time.perf_counter()
+        sess = _session(args.model, fp16=args.fp16, config=config)
+        result["session_seconds"] = time.perf_counter() - start
+        if args.inputs:
+            with np.load(args.inputs) as data:
+                feeds = {k: data[k] for k in data.files}
+            names = [o.name for o in sess.get_outputs()]
+            start = time.perf_counter()
+            values = sess.run(names, {i.name: feeds[i.name] for i in sess.get_inputs()})
+            result["run_seconds"] = time.perf_counter() - start
+            np.savez(args.outputs, **dict(zip(names, values)))
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        result["error"] = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else type(exc).__name__
+    Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _run_child(args: list[str], work: Path, tag: str) -> dict[str, Any]:
+    result_path = work / f"{tag}.json"
+    cmd = [sys.executable, "-m", "qnnpasses.handoff.epcontext", *args, "--result", str(result_path)]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=CHILD_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"{tag}: timed out after {CHILD_TIMEOUT:g}s"}
+    if not result_path.exists():
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] if proc.stderr else []
+        return {"ok": False, "error": f"{tag}: backend process exited with status {proc.returncode} {' '.join(tail)}".strip()}
+    return json.loads(result_path.read_text())
+
+
+def compile_model(model: str | Path, out: str | Path, *, fp16: bool = True, embed: bool | None = None,
+                  weight_bytes: int | None = None) -> dict[str, Any]:
+    """Create the EPContext model ``out`` from ``model``; ``embed=None`` embeds below 2 GB."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if embed is None:
+        embed = (weight_bytes or 0) < EMBED_LIMIT_BYTES
+    for stale in (out, out.with_name(f"{out.stem}_qnn.bin")):
+        if stale.exists():
+            stale.unlink()  # the EP refuses to overwrite an existing context model
+    with tempfile.TemporaryDirectory(prefix="qnnpasses_ctx_") as tmp:
+        args = ["compile", str(model), "--out", str(out), "--embed", "1" if embed else "0"]
+        result = _run_child(args + ([] if fp16 else ["--no-fp16"]), Path(tmp), "compile")
+    result["embedded"] = embed
+    result["files"] = sorted(p.name for p in out.parent.glob(f"{out.stem}*") if p.is_file())
+    if result.get("ok") and not out.exists():
+        result.update(ok=False, error="the QNN EP created a session but wrote no EPContext model")
+    return result
+
+
+def timed_load(model: str | Path, inputs: dict[str, np.ndarray], *, fp16: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Session-creation time of ``model`` on the HTP in a fresh process, and its outputs."""
+    with tempfile.TemporaryDirectory(prefix="qnnpasses_load_") as tmp:
+        work = Path(tmp)
+        np.savez(work / "inputs.npz", **inputs)
+        args = ["load", str(model), "--inputs", str(work / "inputs.npz"), "--outputs", str(work / "outputs.npz")]
+        result = _run_child(args + ([] if fp16 else ["--no-fp16"]), work, "load")
+        outputs: dict[str, np.ndarray] = {}
+        if result.get("ok"):
+            with np.load(work / "outputs.npz") as data:
+                outputs = {k: data[k] for k in data.files}
+    return result, outputs
+
+
+def context_summary(path: str | Path) -> dict[str, Any]:
+    """EPContext nodes vs other nodes (CPU fallback) in a compiled model."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    ctx = [n for n in proto.graph.node if n.op_type == "EPContext"]
+    embed = [next((a.i for a in n.attribute if a.name == "embed_mode"), None) for n in ctx]
+    return {"epcontext_nodes": len(ctx), "other_nodes": len(proto.graph.node) - len(ctx),
+            "other_op_types": sorted({n.op_type for n in proto.graph.node if n.op_type != "EPContext"}),
+            "embed_mode": embed, "bytes": os.path.getsize(path)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child())
