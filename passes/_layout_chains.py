@@ -1,16 +1,19 @@
 """layout family ``chains``: replace a chain of data-movement ops by the cheapest equivalent.
 
 Matches a linear chain ``x -> op1 -> ... -> opN -> y`` of Reshape / Flatten / Squeeze /
-Unsqueeze / Transpose / Expand / Slice / Gather / Tile / Identity nodes whose other inputs
-are constants and whose intermediate results have no other reader, with static shapes.
-Produces the cheapest op sequence with the same index map (see ``_layout_index``): nothing
-(identity Reshape/Transpose/Expand/Slice, Squeeze-Unsqueeze pairs, inverse Transposes,
-Reshape->Transpose->Reshape identities), one Reshape (Reshape chains, Transposes that only
-move size-1 axes, Gathers of ``arange``), one Transpose (merged Transposes), one Slice, or
-one Gather (Unsqueeze->Expand->Reshape, i.e. GQA's repeat_kv, becomes a Gather with
-constant indices).  Safe because the replacement's index map is verified element by
-element against the chain's: the output is bit-identical for any input.
-When the whole chain cannot be improved, its contiguous sub-chains are tried.
+Unsqueeze / Transpose / Expand / Slice / Gather / GatherND / Tile / Identity nodes whose
+other inputs are constants and whose intermediate results have no other reader, with
+static shapes.  Produces the cheapest op sequence with the same index map
+(``_layout_index``, ``_layout_forms``): nothing (identity Reshape/Transpose/Expand/Slice,
+Squeeze-Unsqueeze pairs, inverse Transposes, Reshape->Transpose->Reshape identities), one
+Reshape (Reshape chains, Transposes that only move size-1 axes, Gathers of ``arange``),
+one Transpose (merged Transposes), one Slice, or one Gather (Unsqueeze->Expand->Reshape,
+i.e. GQA's repeat_kv, becomes a Gather with constant indices; a Gather never copies
+single elements, so a Transpose stays a Transpose).  When the whole chain cannot be
+improved, its contiguous sub-chains are tried.
+
+Safe because the replacement's index map is verified element by element against the
+chain's: the output is bit-identical for any input.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ._layout_index import MOVERS, index_map
 from ._layout_util import emit_gather, emit_reshape, emit_slice, emit_transpose, input_value, is_constant, \
     only_consumer, redirect, static_shape
 
-#: A chain that only contains these is not worth simulating twice.
+#: Longest chain considered (its sub-chains are all simulated when it cannot be improved whole).
 MAX_CHAIN = 8
 #: Movers the HTP cannot run weigh more, so an equal-length replacement still wins.
 EXTRA_COST = {"GatherND": 2}

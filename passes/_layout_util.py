@@ -18,29 +18,6 @@ from qnnpasses.pass_api import PassContext
 from qnnpasses.rewrite import can_replace, constant_value, make_node, replace_all_uses
 
 
-class FastNames:
-    """The pass context with a ``unique_name`` that does not rescan the graph for every name.
-
-    ``PassContext.unique_name`` collects all tensor and node names on each call, which
-    made naming most of the run time on a 30-layer model.  This proxy takes the names once
-    per pass run and remembers what it hands out; everything else is the wrapped context.
-    """
-
-    def __init__(self, ctx: PassContext, ir: IRModel):
-        self._ctx = ctx
-        self._taken = set(ir.graph.tensors().keys()) | {n.name for n in ir.graph.nodes}
-
-    def __getattr__(self, name: str):
-        return getattr(self._ctx, name)
-
-    def unique_name(self, ir: IRModel, prefix: str) -> str:
-        while True:
-            candidate = f"{prefix}_qp{next(self._ctx._counter)}"
-            if candidate not in self._taken:
-                self._taken.add(candidate)
-                return candidate
-
-
 def static_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
     """The tensor's shape when every dimension is a known non-negative integer."""
     if tensor is None or tensor.shape is None:

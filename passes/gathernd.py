@@ -31,7 +31,7 @@ from qnnpasses.rewrite import finish
 from ._layout_chains import emit_form
 from ._layout_forms import Form, cheapest_form
 from ._layout_index import index_map
-from ._layout_util import FastNames, input_value, redirect, static_shape
+from ._layout_util import input_value, redirect, static_shape
 
 GENERAL_COST = 3  # forms costing fewer ops than Reshape + Gather (+ Reshape) are preferred
 
@@ -82,7 +82,6 @@ class GatherNDToGather(Pass):
     summary = "GatherND(data, constant indices) => Reshape / Slice / Gather (HTP has no GatherND)"
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
-        ctx = FastNames(ctx, ir)
         stats: dict = {"rewritten": 0}
         notes: list[str] = []
         for node in [n for n in ir.graph.nodes if n.op == "GatherND"]:

@@ -36,7 +36,6 @@ from ._layout_chains import rewrite_chains
 from ._layout_identity import rewrite_identity
 from ._layout_rows import rewrite_rows
 from ._layout_transpose import rewrite_norm_axis, rewrite_sink
-from ._layout_util import FastNames
 from ._layout_weights import rewrite_head_proj, rewrite_split_proj, rewrite_weight_transposes
 
 #: Family name -> rewrite, in the order a sweep runs them.  Weight folding comes first:
@@ -75,7 +74,6 @@ class Layout(Pass):
         max_rounds: int = field(default=4, metadata={"help": "sweeps over all families until nothing changes"})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
-        ctx = FastNames(ctx, ir)
         stats: dict = {}
         notes: list[str] = []
         total = rounds = 0

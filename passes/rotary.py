@@ -33,7 +33,7 @@ from qnnpasses.pass_api import Pass, PassContext, PassResult, register_pass
 from qnnpasses.rewrite import finish, is_scalar_constant, make_node
 
 from ._layout_index import MOVERS, apply_op
-from ._layout_util import FastNames, constant, input_value, is_constant, only_consumer, redirect, static_shape
+from ._layout_util import constant, input_value, is_constant, only_consumer, redirect, static_shape
 
 SIGN_OPS = frozenset({"Neg", "Mul", "Div"})
 MAX_NODES = 16
@@ -144,7 +144,6 @@ class Rotary(Pass):
         max_head_dim: int = field(default=512, metadata={"help": "largest last axis rewritten (R is d x d)"})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
-        ctx = FastNames(ctx, ir)
         stats = {"rotations": 0}
         notes: list[str] = []
         for concat in [n for n in ir.graph.nodes if n.op == "Concat"]:

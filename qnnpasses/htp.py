@@ -7,8 +7,11 @@ accuracy checks — goes through this module, so the quirks live in one place:
 * float32 graphs need ``enable_htp_fp16_precision=1`` plus a ``soc_model`` to run on HTP;
   without it several float ops (RMSNormalization, Gelu, Gather, ...) pass validation and then
   fail to *finalize* ("could not create op"), because HTP has no float32 kernel for them;
+* onnxruntime's Python wrapper silently re-runs a model on the CPU EP when an HTP run fails;
+  :func:`htp_session` turns that off, so "HTP outputs" are never CPU outputs;
 * the backend logs to the process's stderr file descriptor (not Python's ``sys.stderr``),
-  and a failed graph finalize can abort the whole process.  :func:`probe_placement`
+  and a failed graph finalize can take the whole process down (seen: SIGSEGV on a rank-5
+  int64 Unsqueeze).  :func:`probe_placement`
   therefore runs the session in a child process (``python -m qnnpasses.htp``), captures
   that descriptor to a file, and parses placement, per-node validation verdicts, backend
   errors and the composed QNN graph out of the artefacts.
@@ -25,10 +28,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -82,9 +87,11 @@ def provider_options(*, fp16: bool = True, backend: str = "htp", extra_options: 
     """QNN EP provider options for ``backend``: "htp", or QNN's "cpu" / "gpu" backends (for comparison)."""
     oq = _qnn_module()
     if backend == "htp":
-        opts = {"backend_path": oq.get_qnn_htp_path()}
+        # the target is named in both precisions: without it quantized graphs fail to finalize
+        # (QNN_COMMON_ERROR_MEM_ALLOC) and context binaries are prepared for no SoC in particular
+        opts = {"backend_path": oq.get_qnn_htp_path(), "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH}
         if fp16:
-            opts.update({"enable_htp_fp16_precision": "1", "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH})
+            opts["enable_htp_fp16_precision"] = "1"
     elif backend in ("cpu", "gpu"):
         opts = {"backend_path": oq.get_qnn_cpu_path() if backend == "cpu" else oq.get_qnn_gpu_path()}
     else:
@@ -104,6 +111,7 @@ def htp_session(
     optimize: bool = True,
     backend: str = "htp",
     profile_prefix: str | None = None,
+    session_config: dict[str, str] | None = None,
 ) -> ort.InferenceSession:
     """An onnxruntime session with the QNN EP first and the CPU EP as fallback.
 
@@ -115,6 +123,7 @@ def htp_session(
     (the backend's own ``<E>`` diagnostics appear only if the default logger was already
     verbose when the EP library registered — the probe child does that first).  ``optimize=False`` disables onnxruntime's
     graph optimizations so the EP sees the graph as written (no constant folding/fusion).
+    ``session_config`` adds session config entries (e.g. ``ep.context_enable``).
     """
     devices = _qnn_devices()
     if not devices:
@@ -129,6 +138,8 @@ def htp_session(
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if disable_cpu_fallback:
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    for key, value in (session_config or {}).items():
+        so.add_session_config_entry(key, str(value))
     if profiling:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix or os.path.join(tempfile.gettempdir(), "qnnpasses_htp_profile")
@@ -401,8 +412,6 @@ def probe_placement(
     timeout, a crash or a failed finalize gives ``ok=False`` and a one-line ``error``.
     ``keep_dir`` keeps the artefacts (log, profile, QNN graph JSON) there for inspection.
     """
-    import time
-
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="qnnpasses_probe_") as tmp:
         work = Path(keep_dir) if keep_dir else Path(tmp)
@@ -514,7 +523,9 @@ def _child_main(argv: list[str] | None = None) -> int:
                 feeds = {k: npz[k] for k in npz.files}
         else:
             feeds = synthetic_inputs(sess)
-        sess.run(None, feeds)
+        names = [o.name for o in sess.get_outputs()]
+        outputs = sess.run(names, feeds)
+        np.savez(work / "outputs.npz", **dict(zip(names, outputs)))  # for accuracy checks by the caller
         result["profile"] = sess.end_profiling()
         result.update(ok=True, stage="done")
     except Exception as exc:  # noqa: BLE001 - every failure is a probe result

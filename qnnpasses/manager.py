@@ -193,6 +193,7 @@ class PassManager:
 
     def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord, before_keys: list[tuple[str, str]]) -> None:
         snapshot = ir.copy()
+        self.context.forget_names()
         start = time.perf_counter()
         try:
             result = pass_.run(ir, self.context)

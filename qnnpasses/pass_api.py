@@ -75,14 +75,27 @@ class PassContext:
     calibration: Any = None  # an iterable of input dicts (--calib), when given
     verbose: bool = False
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)
+    _taken: set[str] | None = field(default=None, repr=False)
+    _taken_graph: int | None = field(default=None, repr=False)
 
     def unique_name(self, ir: IRModel, prefix: str) -> str:
-        """A node or tensor name not yet used in the graph, starting with ``prefix``."""
-        taken = ir.graph.tensors().keys() | {n.name for n in ir.graph.nodes}
+        """A node or tensor name not yet used in the graph, starting with ``prefix``.
+
+        The graph's names are collected once per pass (the manager calls
+        :meth:`forget_names` before each), not per call: passes ask for thousands.
+        """
+        if self._taken is None or self._taken_graph != id(ir.graph):
+            self._taken = set(ir.graph.tensors().keys()) | {n.name for n in ir.graph.nodes}
+            self._taken_graph = id(ir.graph)
         while True:
             candidate = f"{prefix}_qp{next(self._counter)}"
-            if candidate not in taken:
+            if candidate not in self._taken:
+                self._taken.add(candidate)
                 return candidate
+
+    def forget_names(self) -> None:
+        """Drop the cached set of taken names (the graph may have changed)."""
+        self._taken = self._taken_graph = None
 
 
 @dataclass

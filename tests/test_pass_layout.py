@@ -317,9 +317,10 @@ def test_softmax_over_a_transposed_axis_is_made_contiguous():
 
 # --------------------------------------------------------------------------- fixtures
 
-EXPECTED = {  # per fixture after onnxsim: head_proj, split_proj, rows2d regions
-    "bert": (4, 0, 1), "gpt2": (4, 2, 3), "llama_mha": (6, 2, 1), "phi3": (6, 4, 1),
-}
+#: (head_proj, split_proj, rows2d regions) per architecture after onnxsim; the rest: (6, 0, 1).
+#: head_proj: Q, K, V of 2 layers (BERT/GPT-2 transpose K straight to K^T: Q, V only);
+#: split_proj: the fused QKV (MHA TorchScript/dynamo, GPT-2) and gate-up (Phi-3) projections.
+EXPECTED = {"bert": (4, 0, 1), "gpt2": (4, 2, 3), "llama_mha": (6, 2, 1), "phi3": (6, 4, 1)}
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

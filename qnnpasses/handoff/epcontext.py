@@ -38,18 +38,9 @@ CHILD_TIMEOUT = 900.0
 
 
 def _session(model: str, *, fp16: bool, config: dict[str, str] | None = None):
-    import onnxruntime as ort
+    from qnnpasses.htp import htp_session
 
-    from qnnpasses.htp import HTP_ARCH, SOC_MODEL, _qnn_devices, provider_options
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    for key, value in (config or {}).items():
-        so.add_session_config_entry(key, value)
-    # the target is named in both precisions: a context binary is prepared for one SoC
-    target = {"soc_model": SOC_MODEL, "htp_arch": HTP_ARCH}
-    so.add_provider_for_devices(_qnn_devices(), provider_options(fp16=fp16, extra_options=target))
-    return ort.InferenceSession(model, sess_options=so)
+    return htp_session(model, fp16=fp16, session_config=config)
 
 
 def _child(argv: list[str] | None = None) -> int:
