@@ -257,6 +257,10 @@ def _external_sources(proto: onnx.ModelProto, base_dir: Path, where: str) -> dic
         if not location:
             raise BadInputError(f"{where}: tensor '{tensor.name}' is external but names no data file")
         file = (base_dir / location).resolve()
+        if not file.is_relative_to(base_dir.resolve()):
+            # onnxruntime refuses these too; reading them would let a model pull in any file
+            raise BadInputError(f"{where}: external data location '{location}' of tensor '{tensor.name}' "
+                                "points outside the model's folder")
         if file not in sizes:
             if not file.is_file():
                 raise BadInputError(f"{where}: external data file '{location}' for tensor '{tensor.name}' is missing")

@@ -57,6 +57,18 @@ def _external_model(tmp_path, data_bytes=None, drop_file=False):
     return path
 
 
+def _escaping_external_model(tmp_path):
+    """External data whose location climbs out of the model's folder."""
+    path = _external_model(tmp_path / "inner")
+    model = onnx.load(path, load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "../outside.data"
+    (tmp_path / "outside.data").write_bytes(b"\0" * 256)
+    onnx.save(model, path)
+    return path
+
+
 def _bad_inputs(tmp_path):
     good = fixture_path(GOOD).read_bytes()
     x, y = _vi("x"), _vi("y")
@@ -83,20 +95,21 @@ def _bad_inputs(tmp_path):
         "empty graph": (_write(tmp_path, "emptygraph.onnx", empty), "empty graph"),
         "missing external data": (_external_model(tmp_path / "a", drop_file=True), "is missing"),
         "short external data": (_external_model(tmp_path / "b", data_bytes=100), "too short"),
+        "external data outside the folder": (_escaping_external_model(tmp_path / "c"), "points outside the model's folder"),
     }
 
 
 BAD_INPUT_CASES = [
     "missing file", "directory", "empty file", "truncated", "random bytes", "protobuf that is not a model", "cycle",
     "duplicate tensor names", "dangling input", "unknown custom op", "opset newer than onnx", "empty graph",
-    "missing external data", "short external data",
+    "missing external data", "short external data", "external data outside the folder",
 ]
 
 
 @pytest.mark.parametrize("case", BAD_INPUT_CASES)
 def test_bad_input_gives_one_line_and_exit_2(tmp_path, capsys, case):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    for sub in ("a", "b", "c/inner"):
+        (tmp_path / sub).mkdir(parents=True)
     path, message = _bad_inputs(tmp_path)[case]
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     out = tmp_path / "out" / "o.onnx"
