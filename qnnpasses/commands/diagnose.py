@@ -1,0 +1,35 @@
+"""``qnnpasses diagnose``: which node makes the real QNN HTP reject a model as a whole.
+
+Compiles the model on the HTP backend (onnxruntime-qnn, in child processes) and, when it
+fails, bisects over sub-models to name the smallest culprit, with the backend's own error
+lines and the lint findings on it.  Exit code 0 when the model compiles, 1 when it does not,
+2 for bad input or no backend.
+"""
+
+from __future__ import annotations
+
+import json
+
+from qnnpasses.errors import EXIT_CHECK_FAILED, BackendUnavailableError, BadInputError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("diagnose", help="find the node(s) that make the real HTP reject a model")
+    parser.add_argument("model", help="ONNX model")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S", help="seconds per HTP probe (default 120)")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--no-lint", action="store_true", help="do not cross-reference lint findings on the culprit")
+    parser.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from qnnpasses.diagnose import diagnose, render_text
+    from qnnpasses.htp import htp_available
+
+    if args.timeout <= 0:
+        raise BadInputError("--timeout must be a positive number of seconds")
+    if not htp_available():
+        raise BackendUnavailableError("diagnose needs onnxruntime-qnn with a working QNN HTP backend")
+    result = diagnose(args.model, timeout=args.timeout, lint=not args.no_lint)
+    print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else render_text(result))
+    return 0 if result.ok else EXIT_CHECK_FAILED

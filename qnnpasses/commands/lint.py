@@ -1,0 +1,69 @@
+"""``qnnpasses lint``: pre-conversion findings for the HTP, each with a rule id and its fix.
+
+Fast and offline: rules read the measured op-support table and try passes on copies of
+the model; the HTP backend is never started (``qnnpasses check --real`` and ``qnnpasses
+diagnose`` do that).  Exit code 1 when findings reach ``--fail-on`` (for CI and
+pre-commit), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from qnnpasses.errors import EXIT_CHECK_FAILED, BadInputError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("lint", help="find what keeps a model off the HTP, and the pass that fixes it")
+    parser.add_argument("model", nargs="*", help="ONNX model(s)")
+    parser.add_argument("--backend", choices=("htp",), default="htp", help="op-support table to lint against")
+    parser.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    parser.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
+                        help="exit 1 when a finding of this severity or worse is found (default: error)")
+    parser.add_argument("--ignore", action="append", default=[], metavar="RULE",
+                        help="skip a rule, by id (QP010) or name (float32-without-plan); repeatable or comma-separated")
+    parser.add_argument("--list-rules", action="store_true", help="print the rules and exit")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
+    parser.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from qnnpasses.lint import LintConfig, all_rules, lint_model
+    from qnnpasses.lint.formats import render
+
+    rules = all_rules()
+    if args.list_rules:
+        for r in rules:
+            print(f"{r.id}  {r.name:<24} {r.severity:<8} {r.summary}  [fix: {r.fix}]")
+        return 0
+    if not args.model:
+        raise BadInputError("lint needs at least one MODEL (or --list-rules)")
+    ignore = {part.strip() for value in args.ignore for part in value.split(",") if part.strip()}
+    unknown = ignore - {r.id for r in rules} - {r.name for r in rules}
+    if unknown:
+        raise BadInputError(f"--ignore: unknown rule(s) {', '.join(sorted(unknown))} (see --list-rules)")
+    config = LintConfig(backend=args.backend, ignore=frozenset(ignore))
+    reports = [lint_model(model, config) for model in args.model]
+    text = "\n".join(render(report, args.format) for report in reports) if args.format == "text" or len(reports) == 1 \
+        else _merged(reports, args.format)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+    for report in reports:
+        for rule_id, error in report.rule_failures.items():
+            sys.stderr.write(f"qnnpasses: warning: {report.model}: rule {rule_id} failed and was skipped: {error}\n")
+    return EXIT_CHECK_FAILED if any(r.fails(args.fail_on) for r in reports) else 0
+
+
+def _merged(reports, fmt: str) -> str:
+    """Several models in one document: a JSON list, or one SARIF log with a run per model."""
+    import json
+
+    from qnnpasses.lint.formats import to_sarif
+
+    if fmt == "json":
+        return json.dumps([r.to_dict() for r in reports], indent=2)
+    logs = [to_sarif(r) for r in reports]
+    return json.dumps({**logs[0], "runs": [run for log in logs for run in log["runs"]]}, indent=2)
