@@ -61,12 +61,19 @@ def pass_table_rows(report: dict[str, Any]) -> list[list[str]]:
     for p in report["passes"]:
         verification = p.get("verification")
         figures = f"{verification['max_abs']:.2e} / {verification['cosine']:.6f}" if verification else ""
-        stats = ", ".join(f"{k}={v}" for k, v in p["stats"].items())
+        stats = _compact_stats(p["stats"])
         status = p["status"] + (f" ({p['reason']})" if p["reason"] else "")
         delta = " ".join(f"{op}{n:+d}" for op, n in p["op_delta"].items())
         rows.append([str(p["index"]), p["spec"], status, f"{p['nodes_before']}→{p['nodes_after']}", delta, stats,
                      figures, f"{p['seconds']:.2f}"])
     return rows
+
+
+def _compact_stats(stats: dict[str, Any], limit: int = 70) -> str:
+    """The counters worth a glance: non-zero, short; report.json keeps them all."""
+    shown = [f"{k}={v}" for k, v in stats.items() if v not in (0, 0.0, "", None, False) and len(str(v)) <= 24]
+    text = ", ".join(shown)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 TABLE_HEADER = ["#", "pass", "status", "nodes", "op delta", "stats", "max abs / cosine", "s"]
