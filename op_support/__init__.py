@@ -4,7 +4,14 @@
 ``probe_models`` rebuilds the single-op models the table was measured with.
 """
 
-from .checker import GraphSummary, NodeSupport, check_graph, check_node, predicted_partitions, summarize
+from .checker import (
+    GraphSummary,
+    NodeSupport,
+    check_graph,
+    check_node,
+    predicted_partitions,
+    summarize,
+)
 from .table import load_table, lookup
 
 __all__ = [

@@ -14,8 +14,9 @@ float32 tensors count as supported: the tables are measured in fp16 mode
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -165,10 +166,19 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _constant_input(view: _NodeView, rule: Rule) -> str | None:
+    """Input ``index`` must be constant.  With ``"or_static_output": true`` (shape operands of
+    Reshape/Expand) a value computed by other nodes is fine too when the output shape is
+    static: the EP only needs the output shape, which onnxruntime then infers."""
     index = rule["index"]
     t = view.inputs[index] if index < len(view.inputs) else None
     if t is None or t.constant:
         return None
+    if rule.get("or_static_output"):
+        tensor = view.node.inputs[index]
+        out = view.outputs[0] if view.outputs else None
+        computed = bool(getattr(tensor, "inputs", None))
+        if computed and out is not None and out.shape is not None and all(isinstance(d, (int, np.integer)) for d in out.shape):
+            return None
     return rule.get("reason") or f"input {index} must be a constant initializer"
 
 
@@ -184,6 +194,15 @@ def _max_rank(view: _NodeView, rule: Rule) -> str | None:
                 continue
         if t.rank is not None and t.rank > rule["max"]:
             return rule.get("reason") or f"{where} has rank {t.rank} > {rule['max']}"
+    return None
+
+
+def _static_shapes(view: _NodeView, rule: Rule) -> str | None:
+    """QNN graphs are static: a tensor with a symbolic dim makes the EP answer "Cannot get shape"."""
+    for where, t in view.tensors():
+        if t.shape is not None and any(not isinstance(d, (int, np.integer)) or d < 0 for d in t.shape):
+            dims = "x".join(str(d) for d in t.shape)
+            return f"{where} has a dynamic shape ({dims}): {rule.get('reason') or 'QNN needs static shapes'}"
     return None
 
 
@@ -297,6 +316,7 @@ RULES: dict[str, RuleCheck] = {
     "dtype_pairs": _dtype_pairs,
     "min_inputs": _min_inputs,
     "not_all_constant": _not_all_constant,
+    "static_shapes": _static_shapes,
     "input_absent": _input_absent,
     "input_rank": _input_rank,
 }
@@ -411,7 +431,12 @@ def check_node(
     if entry is None:
         return _reject(result, [f"{node.op} is not in the {table.get('backend', '?')} op-support table"])
     if not entry.get("supported", True):
-        return _reject(result, [entry.get("reason") or f"{node.op} is not supported by the QNN EP"])
+        fusion = _matching_fusion(node, entry)
+        if fusion is None:
+            return _reject(result, [entry.get("reason") or f"{node.op} is not supported by the QNN EP"])
+        result.qnn_op = fusion.get("qnn_op")
+        result.notes.append(fusion["note"])
+        return result
     view = _NodeView(node, [_tensor(t) for t in node.inputs], [_tensor(t) for t in node.outputs], result.notes)
     note = _opset_note(entry, opset)
     if note:
@@ -436,6 +461,32 @@ def _conditional_notes(view: _NodeView, entry: dict[str, Any], table: dict[str, 
         if int64_note:
             notes.append(int64_note)
     return notes
+
+
+def _single_consumer(tensor: gs.Tensor, op: str) -> gs.Node | None:
+    consumers = getattr(tensor, "outputs", [])
+    return consumers[0] if len(consumers) == 1 and consumers[0].op == op else None
+
+
+def _is_erf_gelu(node: gs.Node) -> bool:
+    """``x / sqrt(2)`` (or ``x * 1/sqrt(2)``) -> Erf -> Add 1 -> Mul x -> Mul 0.5, in either Mul order."""
+    producer = node.inputs[0].inputs[0] if node.inputs and node.inputs[0].inputs else None
+    if producer is None or producer.op not in ("Div", "Mul"):
+        return False
+    add = _single_consumer(node.outputs[0], "Add")
+    mul = add and _single_consumer(add.outputs[0], "Mul")
+    return bool(mul and _single_consumer(mul.outputs[0], "Mul"))
+
+
+#: Patterns the EP fuses into one node unit, so that an op it rejects alone still runs on HTP.
+FUSIONS: dict[str, Callable[[gs.Node], bool]] = {"erf_gelu": _is_erf_gelu}
+
+
+def _matching_fusion(node: gs.Node, entry: dict[str, Any]) -> dict[str, Any] | None:
+    for fusion in entry.get("fusions", []):
+        if FUSIONS[fusion["pattern"]](node):
+            return fusion
+    return None
 
 
 def _reject(result: NodeSupport, reasons: list[str]) -> NodeSupport:

@@ -9,8 +9,10 @@ tensors are drawn from a generator seeded by the probe id, never from global sta
 A record (one line of ``tools/probe_results/htp_<suite>.jsonl``) looks like::
 
     {"id": "build/Softmax/float32-r3-axis=1", "op": "Softmax", "domain": "", "opset": 13,
-     "dtypes": ["float32"], "shapes": [[2, 3, 4]], "const_inputs": [], "values": {},
-     "attrs": {"axis": 1}, "n_outputs": 1, "out_dtypes": null, ...}
+     "dtypes": ["float32"], "shapes": [[2, 3, 4]], "attrs": {"axis": 1}, ...}
+
+(``const_inputs``, ``values``, ``attrs``, ``n_outputs``, ``out_dtypes``, ``out_shapes`` are
+omitted when empty/default.)
 
 ``dtypes[i] is None`` marks an omitted optional input (an empty name in the node).
 ``values`` maps an input index (as a string, JSON keys being strings) to the exact
@@ -63,23 +65,17 @@ class ProbeSpec:
     out_shapes: list[list[int]] | None = None
 
     def to_record(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "op": self.op,
-            "domain": self.domain,
-            "opset": self.opset,
-            "dtypes": self.dtypes,
-            "shapes": self.shapes,
-            "const_inputs": self.const_inputs,
-            "values": self.values,
-            "attrs": self.attrs,
-            "n_outputs": self.n_outputs,
-            "out_dtypes": self.out_dtypes,
-            "out_shapes": self.out_shapes,
-        }
+        """The JSON record; fields at their defaults are left out to keep result files small."""
+        record = {"id": self.id, "op": self.op, "domain": self.domain, "opset": self.opset,
+                  "dtypes": self.dtypes, "shapes": self.shapes}
+        optional = {"const_inputs": self.const_inputs, "values": self.values, "attrs": self.attrs,
+                    "n_outputs": self.n_outputs, "out_dtypes": self.out_dtypes, "out_shapes": self.out_shapes}
+        defaults = {"const_inputs": [], "values": {}, "attrs": {}, "n_outputs": 1, "out_dtypes": None, "out_shapes": None}
+        record.update({k: v for k, v in optional.items() if v != defaults[k]})
+        return record
 
     @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> "ProbeSpec":
+    def from_record(cls, rec: dict[str, Any]) -> ProbeSpec:
         return cls(
             id=rec["id"],
             op=rec["op"],

@@ -7,19 +7,22 @@ loads and indexes it.  Schema (one table per backend)::
      "global": {"max_rank": 5, "rules": [RULE...], "notes": [...]},
      "ops": {"ai.onnx": {"Softmax": ENTRY, ...}, "com.microsoft": {...}}}
 
-    ENTRY = {"supported": true,            # false: the EP rejects the op outright
+    ENTRY = {"supported": true,            # false: the EP rejects the op alone ("reason")
+             "fusions": [...],             # ...unless it sits in a pattern the EP fuses (Erf in GeLU)
              "qnn_ops": ["Softmax"],       # QNN op(s) the node becomes
-             "opset": [1, 23],             # ONNX opsets the EP handles
+             "opset": [13, 28],            # opsets of the measured ONNX schema version
              "inputs":  [{"name": "input", "dtypes": ["float32", "float16"]}, ...],
              "outputs": [{"name": "output", "dtypes": [...]}],
              "variadic": false,            # the last input spec repeats
-             "max_rank": 5,                # of every tensor the node touches
+             "max_rank": 5,                # of every non-constant tensor of the node
+             "max_rank_by_dtype": {"int64": 4},   # lower limits for tensors of a dtype
              "rules": [RULE...],           # attribute / constant-input / combination constraints
-             "notes": ["non-last axis: the EP adds two Transposes"],
-             "source": ["build/Softmax/float32-r6-axis=-1: cpu", ...],
-             "cpu": true}                  # QNN CPU backend verdict, where measured
+             "conditional_notes": [{"when": {...}, "note": "..."}],
+             "notes": ["..."],             # e.g. EP-inserted Transposes
+             "probes": {"htp": 20, "cpu": 2},
+             "source": ["build/Softmax/float32-r6-axis=-1: cpu (...)", ...]}
 
-    RULE = {"check": "<kind>", ..., "reason": "...", "source": [...]}
+    RULE = {"check": "<kind>", ..., "reason": "...", "source": [probe ids]}
 
 Rule kinds are evaluated by :mod:`qnnpasses.op_support.checker`.
 """
@@ -27,7 +30,7 @@ Rule kinds are evaluated by :mod:`qnnpasses.op_support.checker`.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ def normalize_domain(domain: str | None) -> str:
     return DEFAULT_DOMAIN if domain in (None, "", "ai.onnx") else domain
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

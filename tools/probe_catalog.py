@@ -15,11 +15,11 @@ first value of each knob is its default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-
 from qnnpasses.op_support.probe_models import ProbeSpec
 
 FLOATS = ("float32", "float16")
@@ -535,7 +535,7 @@ def _scatter_nd(c: Case) -> Out | None:
     if c.rank < 2:
         return None
     s = c.shape()
-    rows = sorted(set(int(x) for x in c.rng.integers(0, s[0], size=2)))
+    rows = sorted({int(x) for x in c.rng.integers(0, s[0], size=2)})
     idx = [[r] for r in rows]
     upd = [len(rows)] + s[1:]
     attrs = {} if c["reduction"] == "none" else {"reduction": c["reduction"]}
@@ -890,7 +890,7 @@ def suite_specs(suite: str) -> list[ProbeSpec]:
                 continue
             try:
                 build_model(spec)
-            except Exception:  # noqa: BLE001 - not a valid ONNX model for this dtype/attr combination
+            except Exception:  # noqa: BLE001, S112 - not a valid ONNX model for this dtype/attr combination
                 continue
             seen.add(spec.id)
             specs.append(spec)

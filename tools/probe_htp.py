@@ -28,14 +28,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import onnx  # noqa: E402
+import onnx
+from probe_catalog import SUITES, suite_specs
+from qnnpasses.op_support.probe_models import (
+    ProbeSpec,
+    build_model,
+    make_inputs,
+    node_name,
+)
 
-from probe_catalog import SUITES, suite_specs  # noqa: E402
-from qnnpasses.htp import htp_available, probe_placement  # noqa: E402
-from qnnpasses.op_support.probe_models import ProbeSpec, build_model, make_inputs, node_name  # noqa: E402
+from qnnpasses.htp import htp_available, probe_placement
 
 RESULTS_DIR = Path(__file__).resolve().parent / "probe_results"
-REASON_LIMIT = 240
+REASON_LIMIT = 200
 
 
 def probe_one(spec: ProbeSpec, workdir: Path, timeout: float = 60.0) -> dict[str, Any]:
@@ -48,12 +53,7 @@ def probe_one(spec: ProbeSpec, workdir: Path, timeout: float = 60.0) -> dict[str
     if verdict == "unknown":
         verdict = "cpu"
     record = spec.to_record()
-    record.update(
-        verdict=verdict,
-        reason=_clip(reason),
-        qnn_ops=placement.qnn_graph_ops["by_type"],
-        seconds=placement.seconds,
-    )
+    record.update(verdict=verdict, reason=_clip(reason), qnn_ops=placement.qnn_graph_ops["by_type"])
     return record
 
 
@@ -74,8 +74,7 @@ def run_suite(specs: list[ProbeSpec], out: Path, *, jobs: int) -> list[dict[str,
             if i % 100 == 0 or i == len(futures):
                 print(f"  {i}/{len(futures)} probes, {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
     with open(out, "w") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        fh.writelines(json.dumps(rec, separators=(",", ":")) + "\n" for rec in records)
     return records
 
 
@@ -90,8 +89,7 @@ def _merge(out: Path, fresh: list[dict[str, Any]], *, order: list[str], previous
     rank = {pid: i for i, pid in enumerate(order)}
     kept = sorted((r for pid, r in by_id.items() if pid in rank), key=lambda r: rank[r["id"]])
     with open(out, "w") as fh:
-        for rec in kept:
-            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        fh.writelines(json.dumps(rec, separators=(",", ":")) + "\n" for rec in kept)
 
 
 def summarize(records: list[dict[str, Any]]) -> str:

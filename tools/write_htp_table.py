@@ -90,10 +90,14 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "DequantizeLinear": {"in_units": True, "rules": [
         {"check": "not_graph_output", "reason": "the EP leaves a DQ that produces a graph output on the CPU",
          "evidence": "scale=per_tensor"}],
-        "notes": ["inside a QDQ node unit the DQ is fused with the op it wraps (quantized QNN op); "
-                  "per-channel DQ is for Conv/MatMul/Gemm weights"]},
-    "Reshape": {"rules": [_const(1, _SHAPE_CONST.format("shape"), "shape_const=False")]},
-    "Expand": {"rules": [_const(1, _SHAPE_CONST.format("shape"), "shape_const=False")]},
+        "notes": [("inside a QDQ node unit the DQ is fused with the op it wraps (quantized QNN op); "
+                   "per-channel DQ is for Conv/MatMul/Gemm weights")]},
+    "Reshape": {"rules": [{**_const(1, _SHAPE_CONST.format("shape"), "shape_const=False"), "or_static_output": True}]},
+    "Expand": {"rules": [{**_const(1, _SHAPE_CONST.format("shape"), "shape_const=False"), "or_static_output": True}]},
+    # Rejected alone, but the EP's own GeluFusion takes Div -> Erf -> Add -> Mul -> Mul as one QNN Gelu
+    # (seen in tests/fixtures/bert_ts.onnx: "Validation PASSED for 5 nodes in GeluFusion (Erf)").
+    "Erf": {"fusions": [{"pattern": "erf_gelu", "qnn_op": "Gelu",
+                         "note": "part of an Erf-based GeLU: the EP fuses Div/Erf/Add/Mul/Mul into one QNN Gelu"}]},
     "Tile": {"rules": [_const(1, _SHAPE_CONST.format("repeats"), "reps_const=False")]},
     "Pad": {"rules": [_const(1, _SHAPE_CONST.format("pads"), "pads_const=False")]},
     "TopK": {"rules": [_const(1, _SHAPE_CONST.format("K"), "k_const=False"),
@@ -156,7 +160,7 @@ def explain(records: list[dict[str, Any]], op: str) -> str:
     for r in recs:
         grid[(r["dtypes"][0], max_rank(r))][r["verdict"]] += 1
     for (dt, rank), c in sorted(grid.items(), key=lambda x: (str(x[0][0]), x[0][1])):
-        out.append(f"  {str(dt):8s} r{rank}: {dict(c)}")
+        out.append(f"  {dt!s:8s} r{rank}: {dict(c)}")
     by_knob: dict[tuple, Counter] = defaultdict(Counter)
     for r in recs:
         for k, v in knobs_of(r).items():
@@ -175,7 +179,6 @@ def explain(records: list[dict[str, Any]], op: str) -> str:
 def node_facts(rec: dict[str, Any]) -> dict[str, Any]:
     """What the checker will see of a probe's node: dtypes per position, constness, rank."""
     import onnx_graphsurgeon as gs
-
     from qnnpasses.op_support.checker import _tensor
     from qnnpasses.op_support.probe_models import ProbeSpec, build_model
 
@@ -193,12 +196,14 @@ def node_facts(rec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _qnn_ops(htp: list[dict[str, Any]]) -> list[str]:
+def _qnn_ops(op: str, htp: list[dict[str, Any]]) -> list[str]:
+    """QNN ops the node becomes, most frequent first; EP glue ops only if the op *is* one (Cast)."""
     counts: Counter[str] = Counter()
     for r in htp:
         counts.update(set(r["qnn_ops"]))
-    core = [op for op, _ in counts.most_common() if op not in GLUE_QNN_OPS]
-    return core or [op for op, _ in counts.most_common()]
+    ranked = [q for q, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]  # deterministic ties
+    core = [q for q in ranked if q not in GLUE_QNN_OPS or q == op]
+    return core or ranked
 
 
 def _io_specs(op: str, htp: list[dict[str, Any]], facts: dict[str, dict], kind: str) -> list[dict[str, Any]]:
@@ -227,7 +232,7 @@ def _rank_limits(htp: list[dict[str, Any]], facts: dict[str, dict]) -> tuple[int
 
 def _clean(reason: str, op: str) -> str:
     """Backend reasons name the probe's node; the table states them for any node."""
-    return reason.replace(f"probe_{op}", "<node>").replace(".{op} node".format(op=op), ". {op} node".format(op=op))
+    return reason.replace(f"probe_{op}", "<node>").replace(f".{op} node", f". {op} node")
 
 
 def _evidence(recs: list[dict[str, Any]], facts: dict[str, dict], limit: int = 8) -> list[str]:
@@ -294,8 +299,11 @@ def derive_entry(op: str, recs: list[dict[str, Any]], facts: dict[str, dict]) ->
     opsets = sorted({r["opset"] for r in recs})
     if not htp:
         reason = _clean(Counter(r["reason"] for r in recs).most_common(1)[0][0], op)
-        return {"supported": False, "reason": reason, "opsets_probed": opsets, "source": _evidence(recs, facts, 3)}
-    core = _qnn_ops(htp)
+        entry = {"supported": False, "reason": reason, "opsets_probed": opsets, "source": _evidence(recs, facts, 3)}
+        if extra.get("fusions"):
+            entry["fusions"] = extra["fusions"]
+        return entry
+    core = _qnn_ops(op, htp)
     overall, by_dtype = _rank_limits(htp, facts)
     entry: dict[str, Any] = {
         "supported": True,
@@ -336,6 +344,10 @@ def derive_entry(op: str, recs: list[dict[str, Any]], facts: dict[str, dict]) ->
 GLOBAL: dict[str, Any] = {
     "max_rank": 5,
     "rules": [
+        {"check": "static_shapes", "reason": "QNN needs static shapes (fix the input shapes first); "
+                                             "the EP answers 'Cannot get shape'",
+         "source": [("tests/fixtures/llama_gqa_ts.onnx with dynamic batch: 'Cannot get shape' on every node "
+                     "with a symbolic dim")]},
         {"check": "not_all_constant",
          "reason": "constant inputs only, straight into graph outputs: the QNN graph would have no inputs "
                    "and fails to set up; fold the node first (onnxsim / onnxruntime constant folding)",
@@ -345,8 +357,8 @@ GLOBAL: dict[str, Any] = {
                   "boundaries (values must fit in int32)",
     "notes": [
         "Rank 6 tensors are rejected by every op ('[...] has incorrect Rank 6').",
-        "Several ops pass EP validation and then fail graph finalize ('could not create op: q::...'): "
-        "these count as unsupported here, because the whole partition then fails.",
+        ("Several ops pass EP validation and then fail graph finalize ('could not create op: q::...'): "
+         "these count as unsupported here, because the whole partition then fails."),
     ],
 }
 
@@ -383,7 +395,6 @@ def build_table(records: list[dict[str, Any]]) -> dict[str, Any]:
 def fit(table: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
     """Records where the checker with ``table`` disagrees with the backend."""
     import onnx_graphsurgeon as gs
-
     from qnnpasses.op_support.checker import check_node
     from qnnpasses.op_support.probe_models import ProbeSpec, build_model
 

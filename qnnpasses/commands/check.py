@@ -76,10 +76,9 @@ def _add_real_placement(report: dict[str, Any], model_path: str) -> None:
 def render_text(model: str, report: dict[str, Any]) -> str:
     """Summary first, then every node that will not run on the HTP, with its reasons."""
     s = report["summary"]
-    lines = [
-        f"{model}: {s['nodes']} nodes, {s['supported']} predicted on HTP, {s['unsupported']} not"
-        f" (predicted partitions: HTP {s['partitions']['htp']}, CPU {s['partitions']['cpu']})"
-    ]
+    headline = (f"{model}: {s['nodes']} nodes, {s['supported']} predicted on HTP, {s['unsupported']} not"
+                f" (predicted partitions: HTP {s['partitions']['htp']}, CPU {s['partitions']['cpu']})")
+    lines = [headline]
     if s.get("unknown"):
         lines.append(f"  {s['unknown']} node(s) with unknown dtype/shape: predictions there are optimistic")
     real = s.get("real")
