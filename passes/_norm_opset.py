@@ -17,12 +17,14 @@ on the graph with its lazily loaded weights.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir import IRModel
-from qnnpasses.pass_api import PassContext
+from qnnpasses.pass_api import PassContext, PassResult
 
 REDUCE_OPS = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
               "ReduceLogSumExp", "ReduceSumSquare")
@@ -85,3 +87,30 @@ def raise_opset(ir: IRModel, ctx: PassContext, target: int) -> str | None:
                                     for e in graph.import_domains]
     ir.ir_version = max(ir.ir_version, _ir_version_for(target))
     return None
+
+
+def fuse_at_opset(ir: IRModel, ctx: PassContext, matches: list, fuse: Callable, *, opset: int, allow_raise: bool,
+                  stats: dict, notes: list[str], refused_hint: str = "") -> PassResult:
+    """Raise the model to ``opset`` (when ``allow_raise``) and apply ``fuse`` to every match.
+
+    Shared by the norm fusions: their target ops need a newer opset than exporters write,
+    and the raise is all-or-nothing for the model.  Refused raises leave the graph as is.
+    """
+    from qnnpasses.rewrite import finish
+
+    from ._norm_graph import Replacements
+
+    before = ir.opset
+    refused = raise_opset(ir, ctx, opset) if allow_raise else (
+        None if before >= opset else f"opset {before} < {opset} and raise_opset=false")
+    if refused:
+        notes.append(f"not fused: {refused}{refused_hint}")
+        return PassResult(changed=False, stats=stats, notes=notes)
+    rewired = Replacements(ir.graph)
+    for match in matches:
+        fuse(ir, ctx, match, rewired)
+    finish(ir)
+    stats["fused"] = len(matches)
+    if ir.opset != before:
+        stats["opset"] = f"{before}->{ir.opset}"
+    return PassResult(changed=True, stats=stats, notes=notes)

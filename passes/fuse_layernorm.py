@@ -23,11 +23,11 @@ import numpy as np
 
 from ._norm_graph import Replacements, rank, static_dim
 from ._norm_match import NormMatch, find_norms
-from ._norm_opset import raise_opset
+from ._norm_opset import fuse_at_opset
 from ._norm_support import htp_runs_norm
 from qnnpasses.ir import IRModel
 from qnnpasses.pass_api import Pass, PassContext, PassResult, register_pass
-from qnnpasses.rewrite import finish, make_constant, make_node
+from qnnpasses.rewrite import make_constant, make_node
 
 LAYERNORM_OPSET = 17
 
@@ -52,19 +52,8 @@ class FuseLayerNorm(Pass):
         stats = {"fused": 0, "not_fused": len(matches) - len(fusable)}
         if not fusable:
             return PassResult(changed=False, stats=stats, notes=notes)
-        before = ir.opset
-        refused = raise_opset(ir, ctx, LAYERNORM_OPSET) if self.options.raise_opset else (
-            None if before >= LAYERNORM_OPSET else "raise_opset=false")
-        if refused:
-            return PassResult(changed=False, stats=stats, notes=notes + [f"not fused: opset {before} kept ({refused})"])
-        rewired = Replacements(ir.graph)
-        for m in fusable:
-            _fuse(ir, ctx, m, rewired)
-        finish(ir)
-        stats["fused"] = len(fusable)
-        if ir.opset != before:
-            stats["opset"] = f"{before}->{ir.opset}"
-        return PassResult(changed=True, stats=stats, notes=notes)
+        return fuse_at_opset(ir, ctx, fusable, _fuse, opset=LAYERNORM_OPSET, allow_raise=self.options.raise_opset,
+                             stats=stats, notes=notes)
 
     def _why_not(self, m: NormMatch) -> str:
         if self.options.when == "supported" and not htp_runs_norm(-1, rank(m.x)):

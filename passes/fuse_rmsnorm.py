@@ -29,11 +29,11 @@ import numpy as np
 
 from ._norm_graph import Replacements, rank, static_dim
 from ._norm_match import NormMatch, find_norms
-from ._norm_opset import raise_opset
+from ._norm_opset import fuse_at_opset
 from ._norm_support import MAX_NORM_RANK, htp_runs_norm
 from qnnpasses.ir import IRModel
 from qnnpasses.pass_api import Pass, PassContext, PassResult, register_pass
-from qnnpasses.rewrite import finish, make_constant, make_node
+from qnnpasses.rewrite import make_constant, make_node
 
 RMS_OPSET = 23
 
@@ -55,20 +55,8 @@ class FuseRMSNorm(Pass):
         stats = {"fused": 0, "not_matched": len(reasons) + len(matches) - len(fusable)}
         if not fusable:
             return PassResult(changed=False, stats=stats, notes=notes)
-        before = ir.opset
-        refused = raise_opset(ir, ctx, RMS_OPSET) if self.options.raise_opset else (
-            None if before >= RMS_OPSET else f"opset {before} < {RMS_OPSET} and raise_opset=false")
-        if refused:
-            notes.append(f"not fused: {refused}; fp16-safety rewrites the decomposed form instead")
-            return PassResult(changed=False, stats=stats, notes=notes)
-        rewired = Replacements(ir.graph)
-        for m in fusable:
-            _fuse(ir, ctx, m, rewired)
-        finish(ir)
-        stats["fused"] = len(fusable)
-        if ir.opset != before:
-            stats["opset"] = f"{before}->{ir.opset}"
-        return PassResult(changed=True, stats=stats, notes=notes)
+        return fuse_at_opset(ir, ctx, fusable, _fuse, opset=RMS_OPSET, allow_raise=self.options.raise_opset,
+                             stats=stats, notes=notes, refused_hint="; fp16-safety rewrites the decomposed form instead")
 
 
 def _why_not(m: NormMatch) -> str:
