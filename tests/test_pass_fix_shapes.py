@@ -16,7 +16,7 @@ from qnnpasses.numerics import run_cpu
 from qnnpasses.pass_api import PassContext
 from qnnpasses.passes.fix_shapes import FixShapes
 from qnnpasses.pipeline import parse_pipeline
-from qnnpasses.shapes import DEFAULT_BATCH, DEFAULT_PAST, DEFAULT_SEQUENCE, has_static_shapes, is_static
+from qnnpasses.shapes import DEFAULT_BATCH, DEFAULT_PAST, has_static_shapes, is_static
 
 DYNAMIC = json.loads((FIXTURES / "manifest.json").read_text())["dynamic_fixtures"]
 # fix-shapes options that reproduce the shapes of each dynamic fixture's reference data
