@@ -18,6 +18,28 @@ def op_histogram(ir: IRModel) -> dict[str, int]:
     return dict(sorted(Counter(n.op for g in ir.graphs() for n in g.nodes).items()))
 
 
+def model_snapshot(ir: IRModel) -> dict[str, Any]:
+    """What the report compares before and after the pipeline: predicted HTP support and the
+    analysis figures that matter on device (weights, activation memory, KV cache)."""
+    from qnnpasses.analysis import analyze
+    from qnnpasses.op_support import check_graph, summarize
+
+    verdicts = check_graph(ir.graph)
+    support = summarize(ir.graph, verdicts).to_dict()
+    support.pop("by_op_type", None)
+    unsupported = [r for r in verdicts if not r.supported]
+    support["unsupported_nodes"] = [{"name": r.name, "op_type": r.op_type, "reasons": r.reasons} for r in unsupported][:50]
+    figures = analyze(ir)
+    activations, kv = figures["activations"], figures.get("kv_cache") or {}
+    return {
+        "support": support,
+        "weights_bytes": figures["weights"]["total_bytes"],
+        "activation_peak_bytes_no_reuse": activations["peak_bytes_no_reuse"],
+        "activation_peak_bytes_reuse": activations["peak_bytes_reuse"],
+        "kv_cache_bytes_fp16": kv.get("bytes_fp16"),
+    }
+
+
 def build_report(*, input_path: str, output_path: str | None, pipeline_text: str, result: RunResult,
                  before: dict[str, int], after: dict[str, int], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     report = {
@@ -94,6 +116,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     for key, value in report.items():
         if key.startswith("summary_") and isinstance(value, str):
             lines.append(f"- {key[len('summary_'):].replace('_', ' ')}: {value}")
+    snapshots = report.get("model_before"), report.get("model_after")
+    if all(snapshots):
+        lines += ["", "| | before | after |", "|---|---|---|"]
+        for key, label in (("weights_bytes", "weight bytes"), ("activation_peak_bytes_reuse", "peak activations (reuse)"),
+                           ("kv_cache_bytes_fp16", "KV cache (fp16)")):
+            lines.append(f"| {label} | {snapshots[0].get(key)} | {snapshots[1].get(key)} |")
+        support = [s["support"] for s in snapshots]
+        lines.append(f"| nodes the HTP table supports | {support[0]['supported']}/{support[0]['nodes']} | "
+                     f"{support[1]['supported']}/{support[1]['nodes']} |")
+        lines.append(f"| predicted partitions | {support[0]['partitions']} | {support[1]['partitions']} |")
     lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     for row in pass_table_rows(report):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")

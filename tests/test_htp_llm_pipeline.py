@@ -81,3 +81,7 @@ def test_pipeline_is_recorded_in_textual_form(tmp_path):
     assert fused["fuse-rmsnorm"]["fused"] == 5
     assert report["nodes_after"] < report["nodes_before"] / 3
     assert report["final_verification"]["max_abs"] <= 1e-4
+    # the closing op-support check and the analysis figures, before vs after
+    assert report["model_after"]["support"]["partitions"] == {"htp": 1, "cpu": 0}
+    assert report["model_after"]["support"]["unsupported"] == 0
+    assert report["model_after"]["kv_cache_bytes_fp16"] == report["model_before"]["kv_cache_bytes_fp16"] > 0

@@ -14,7 +14,7 @@ from qnnpasses.numerics import ATOL, MIN_COSINE, RTOL, check_inputs, load_inputs
 from qnnpasses.pass_api import PassContext
 from qnnpasses.pipeline import Pipeline, parse_pipeline
 from qnnpasses.pipelines import get_pipeline
-from qnnpasses.report import TABLE_HEADER, build_report, op_histogram, pass_table_rows, write_report
+from qnnpasses.report import TABLE_HEADER, build_report, model_snapshot, op_histogram, pass_table_rows, write_report
 
 
 def register(subparsers) -> None:
@@ -73,6 +73,7 @@ def main(args) -> int:
                        seed=args.seed, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
     manager = PassManager(pipeline, config, instruments, PassContext(allow_lossy=args.allow_lossy, shapes=shapes))
     ops_before = op_histogram(ir)
+    before = model_snapshot(ir) if args.report_dir else None
     try:
         result = manager.run(ir)
     except CheckFailedError:
@@ -85,7 +86,8 @@ def main(args) -> int:
     external = {"auto": None, "always": True, "never": False}[args.external_data]
     save_model(ir, args.output, external_data=external)
     report = build_report(input_path=args.model, output_path=args.output, pipeline_text=pipeline.to_text(),
-                          result=result, before=ops_before, after=op_histogram(ir))
+                          result=result, before=ops_before, after=op_histogram(ir),
+                          extra={"model_before": before, "model_after": model_snapshot(ir)} if before else None)
     if args.emit:
         from qnnpasses.handoff import emit
 
