@@ -49,6 +49,11 @@ def _elements(tensor: gs.Tensor) -> int | None:
 
 
 def _constant_range(tensor: gs.Constant) -> Interval | None:
+    try:
+        if np.dtype(tensor.dtype).kind not in "biu":
+            return None  # decided from the dtype: a float weight is not read
+    except TypeError:
+        return None
     values = np.asarray(tensor.values)
     if values.dtype.kind not in "biu":
         return None

@@ -53,16 +53,24 @@ def _drop_empty_operands(graph: gs.Graph, node: gs.Node) -> int:
     return dropped
 
 
+def _numpy_dtype(dtype) -> bool:
+    try:
+        np.dtype(dtype)
+        return dtype is not None
+    except TypeError:
+        return False
+
+
 def _cast_source(node: gs.Node) -> gs.Tensor | None:
     """The tensor a Cast (or Cast round trip) reproduces exactly, if any."""
     x = node.inputs[0]
     target = node.outputs[0].dtype
-    if x.dtype is None or target is None:
-        return None
+    if x.dtype is None or target is None or not _numpy_dtype(x.dtype) or not _numpy_dtype(target):
+        return None  # bfloat16/float8 are onnx enum values here: leave their casts alone
     if np.dtype(x.dtype) == np.dtype(target):
         return x
     inner = x.inputs[0] if x.inputs else None
-    if inner is not None and inner.op == "Cast" and inner.inputs[0].dtype is not None:
+    if inner is not None and inner.op == "Cast" and _numpy_dtype(inner.inputs[0].dtype):
         src = inner.inputs[0]
         if np.dtype(src.dtype) == np.dtype(target) and exact_in(src.dtype, x.dtype):
             return src

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir import IRModel
 from qnnpasses.pass_api import PassContext
-from qnnpasses.rewrite import can_replace, constant_value, make_node, replace_all_uses
+from qnnpasses.rewrite import can_replace, constant_value, is_constant, make_node, replace_all_uses  # noqa: F401 - is_constant re-exported for the layout modules
 
 
 def static_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
@@ -32,10 +32,6 @@ def input_value(node: gs.Node, index: int) -> np.ndarray | None:
     if index >= len(node.inputs) or not node.inputs[index].name:
         return None
     return constant_value(node.inputs[index])
-
-
-def is_constant(tensor: gs.Tensor) -> bool:
-    return constant_value(tensor) is not None
 
 
 def only_consumer(graph: gs.Graph, tensor: gs.Tensor) -> gs.Node | None:

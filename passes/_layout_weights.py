@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir import IRModel
+from qnnpasses.ir import IRModel, derived_from
 from qnnpasses.pass_api import PassContext
 from qnnpasses.rewrite import constant_value
 
@@ -89,12 +89,15 @@ def projection_of(graph: gs.Graph, tensor: gs.Tensor) -> Projection | None:
     return None
 
 
-def emit_projection(ir: IRModel, ctx: PassContext, proj: Projection, w: np.ndarray, bias: np.ndarray | None,
+def emit_projection(ir: IRModel, ctx: PassContext, proj: Projection, transform, bias: np.ndarray | None,
                     shape, hint: str) -> gs.Tensor:
-    """``x @ w (+ bias)``: a Gemm when the source was one (bias inside), else MatMul (+ Add)."""
+    """``x @ transform(proj.w) (+ bias)``: a Gemm when the source was one (bias inside), else
+    MatMul (+ Add).  The new weight stays a lazy recipe when ``proj.w`` is a mapped external
+    weight, so a 7B model's rewritten projections are never all in memory at once."""
     dtype = proj.x.dtype
-    weight = constant(ir, ctx, f"{hint}_w", np.ascontiguousarray(w))
-    if proj.gemm and w.ndim == 2:
+    values = derived_from(proj.w, transform)
+    weight = gs.Constant(ctx.unique_name(ir, f"{hint}_w"), values)
+    if proj.gemm and len(weight.shape) == 2:
         inputs = [proj.x, weight] + ([constant(ir, ctx, f"{hint}_b", bias)] if bias is not None else [])
         return emit(ir, ctx, "Gemm", inputs, hint=hint, dtype=dtype, shape=shape)
     out = emit(ir, ctx, "MatMul", [proj.x, weight], hint=hint, dtype=dtype, shape=shape)
@@ -148,7 +151,8 @@ def rewrite_split_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) 
             continue
         for target, lo, hi in (piece for group in pieces for piece in group):
             bias = None if proj.bias is None else proj.bias[lo:hi]
-            new = emit_projection(ir, ctx, proj, proj.w[:, lo:hi], bias, target.shape, hint=f"{node.name}_{lo}")
+            new = emit_projection(ir, ctx, proj, lambda w, lo=lo, hi=hi: w[:, lo:hi], bias, target.shape,
+                                  hint=f"{node.name}_{lo}")
             redirect(ir.graph, target, new)
         stats["split_proj"] = stats.get("split_proj", 0) + 1
         done += 1
@@ -203,9 +207,10 @@ def rewrite_head_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -
             y = chain[length - 1].outputs[0]
             lead = (1,) * (len(y.shape) - 3)
             k = proj.w.shape[0]
-            w_hm = proj.w.reshape(k, h, d).transpose(1, 0, 2).reshape(lead + (h, k, d))
             bias = None if proj.bias is None else proj.bias.reshape(lead + (h, 1, d))
-            new = emit_projection(ir, ctx, proj, w_hm, bias, y.shape, hint=f"{node.name}_heads")
+            new = emit_projection(ir, ctx, proj,
+                                  lambda w, k=k, h=h, d=d, lead=lead: w.reshape(k, h, d).transpose(1, 0, 2).reshape(lead + (h, k, d)),
+                                  bias, y.shape, hint=f"{node.name}_heads")
             redirect(ir.graph, y, new)
             stats["head_proj"] = stats.get("head_proj", 0) + 1
             done += 1

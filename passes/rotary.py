@@ -123,10 +123,15 @@ def match_rotation(graph: gs.Graph, concat: gs.Node, opset: int) -> tuple[gs.Ten
         raise _NotRotation(f"operands come from {len(roots)} different tensors")
     x = next(iter(roots.values()))
     x_shape = static_shape(x)
-    if x_shape is None or len(x_shape) < 1:
-        raise _NotRotation("input shape is not static")
+    if x_shape is None or len(x_shape) < 2:
+        raise _NotRotation("input shape is not static, or rank < 2")
+    if x.dtype is None or np.dtype(x.dtype).kind != "f":
+        raise _NotRotation("not a float tensor (shape arithmetic, not a rotation)")
     probe = np.arange(1, np.prod(x_shape) + 1, dtype=np.float64).reshape(x_shape)
     for top in _candidate_tops(graph, concat):
+        top_shape = static_shape(top)
+        if top_shape is not None and tuple(top_shape) != tuple(x_shape):
+            continue  # a rotation keeps the shape (a Concat with constant operands grows it)
         rot = _evaluate(top, x, probe, opset, {})
         matrix = signed_permutation(rot, x_shape)
         if matrix is not None:

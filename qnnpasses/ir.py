@@ -46,7 +46,7 @@ class ExternalSource:
     length: int
 
 
-Source = Union[ExternalSource, np.ndarray, onnx.TensorProto]
+Source = Union[ExternalSource, np.ndarray, onnx.TensorProto, "DerivedValues"]
 
 
 class ExternalValues(LazyValues):
@@ -63,7 +63,63 @@ class ExternalValues(LazyValues):
             return np.zeros(shape, dtype=np_dtype)
         if np_dtype.kind not in "biufc":  # bfloat16, float8: let onnx convert them
             return onnx.numpy_helper.to_array(self.tensor, base_dir=str(self.source.path.parent))
-        return np.memmap(self.source.path, dtype=np_dtype, mode="r", offset=self.source.offset, shape=shape)
+        array = np.memmap(self.source.path, dtype=np_dtype, mode="r", offset=self.source.offset, shape=shape)
+        array.qnnpasses_source = self.source  # views do not inherit it; see _source_of
+        return array
+
+
+class DerivedValues(LazyValues):
+    """Values a pass computed from a mapped weight, kept as a recipe until they are read.
+
+    A pass that permutes or reshapes a 7B model's weights would otherwise hold every
+    rewritten weight in memory until the output is written.  The recipe maps its source
+    afresh on each read, so saving computes one tensor at a time and lets it go.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, compute):
+        super().__init__(onnx.TensorProto(data_type=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                                          dims=list(shape)))
+        self.compute = compute
+
+    def load(self) -> np.ndarray:
+        return self.compute()
+
+
+def mapped_source(values) -> ExternalSource | None:
+    """The external bytes ``values`` maps, when it is (a plain view of) a whole mapped weight.
+
+    ``np.asarray`` of a memory map is a base-class view that drops our tag; follow ``.base``
+    to the tagged map and accept it only if the view covers it exactly.
+    """
+    current = values
+    while isinstance(current, np.ndarray):
+        source = getattr(current, "qnnpasses_source", None)
+        if source is not None:
+            same = (current.__array_interface__["data"][0] == values.__array_interface__["data"][0]
+                    and current.shape == values.shape and current.strides == values.strides
+                    and current.dtype == values.dtype)
+            return source if same else None
+        current = current.base
+    return None
+
+
+def derived_from(values: np.ndarray, transform) -> np.ndarray | DerivedValues:
+    """``transform(values)`` for a new constant: a lazy recipe when ``values`` is a weight
+    mapped from an external file, else computed now.  ``transform`` must be a pure
+    function of its input array (reshape, transpose, slicing, arithmetic)."""
+    source = mapped_source(values)
+    if source is None:
+        return np.ascontiguousarray(transform(values))
+    dtype, shape = values.dtype, values.shape
+    # zero strides: the transformed shape without touching (or allocating) any data
+    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape))
+    out_shape = np.shape(transform(ghost))
+
+    def compute() -> np.ndarray:
+        fresh = np.memmap(source.path, dtype=dtype, mode="r", offset=source.offset, shape=shape)
+        return np.ascontiguousarray(transform(fresh))
+
+    return DerivedValues(out_shape, dtype, compute)
 
 
 class _StubValues(LazyValues):
@@ -168,7 +224,10 @@ def load_model(model: str | os.PathLike | onnx.ModelProto) -> IRModel:
     )
     from qnnpasses.checks import check_model  # late: checks needs this module
 
-    problem = check_model(ir, refresh=True)
+    try:
+        problem = check_model(ir, refresh=True)
+    except Exception as exc:  # graphsurgeon cannot export it (optional types, invalid UTF-8 strings, ...)
+        raise BadInputError(f"{path or 'model'}: the graph cannot be represented: {type(exc).__name__}: {_one_line(exc)}") from None
     if problem:
         raise BadInputError(f"{path or 'model'} fails the ONNX checker: {problem}")
     return ir
@@ -204,6 +263,12 @@ def _validate_model_proto(proto: onnx.ModelProto, where: str) -> None:
             )
     if len(proto.graph.node) == 0:
         raise BadInputError(f"{where} has an empty graph (no nodes)")
+    for side, values in (("input", proto.graph.input), ("output", proto.graph.output)):
+        for value in values:
+            kind = value.type.WhichOneof("value")
+            if kind not in (None, "tensor_type"):  # the IR (graphsurgeon) would export it as a tensor
+                raise BadInputError(f"{where}: graph {side} '{value.name}' is a {kind.replace('_type', '')}; "
+                                    "only tensor inputs and outputs are supported")
     if proto.ir_version > onnx.IR_VERSION:
         raise BadInputError(f"{where} has IR version {proto.ir_version}, newer than {onnx.IR_VERSION} that onnx {onnx.__version__} knows")
 
@@ -265,9 +330,9 @@ def _external_sources(proto: onnx.ModelProto, base_dir: Path, where: str) -> dic
             if not file.is_file():
                 raise BadInputError(f"{where}: external data file '{location}' for tensor '{tensor.name}' is missing")
             sizes[file] = file.stat().st_size
-        offset = int(info.get("offset", 0))
+        offset = _external_int(info, "offset", 0, tensor, where)
         expected = _tensor_nbytes(tensor)
-        length = int(info.get("length", expected if expected >= 0 else sizes[file] - offset))
+        length = _external_int(info, "length", expected if expected >= 0 else sizes[file] - offset, tensor, where)
         if expected >= 0 and length < expected:
             raise BadInputError(f"{where}: tensor '{tensor.name}' declares {length} bytes of external data but needs {expected}")
         if offset + length > sizes[file]:
@@ -277,6 +342,17 @@ def _external_sources(proto: onnx.ModelProto, base_dir: Path, where: str) -> dic
             )
         sources[_external_key(tensor)] = ExternalSource(file, offset, length)
     return sources
+
+
+def _external_int(info: dict[str, str], key: str, default: int, tensor: onnx.TensorProto, where: str) -> int:
+    """An external-data ``offset``/``length`` as a non-negative integer, or a one-line refusal."""
+    try:
+        value = int(info.get(key, default))
+    except ValueError:
+        raise BadInputError(f"{where}: tensor '{tensor.name}' has external data {key} '{info[key]}', not an integer") from None
+    if value < 0:
+        raise BadInputError(f"{where}: tensor '{tensor.name}' has a negative external data {key} ({value})")
+    return value
 
 
 def _import_graph(proto: onnx.ModelProto, where: str) -> gs.Graph:
@@ -336,6 +412,12 @@ def _source_of(tensor: gs.Constant) -> Source:
     values = tensor._values
     if isinstance(values, ExternalValues):
         return values.source
+    if isinstance(values, DerivedValues):
+        return values
+    if isinstance(values, np.ndarray) and mapped_source(values) is not None:
+        # a weight a pass has read: stream it from its file; copying it through the
+        # mapping would make every page of it resident (RSS = model size)
+        return mapped_source(values)
     if isinstance(values, LazyValues):
         return values.tensor
     return values
@@ -411,6 +493,8 @@ def source_bytes(source: Source) -> Iterator[bytes | memoryview]:
                     raise BadInputError(f"external data file {source.path.name} ended early")
                 remaining -= len(chunk)
                 yield chunk
+    elif isinstance(source, DerivedValues):
+        yield memoryview(source.load()).cast("B")
     elif isinstance(source, onnx.TensorProto):
         if source.HasField("raw_data"):
             yield source.raw_data

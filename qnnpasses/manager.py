@@ -116,11 +116,13 @@ class PassManager:
         self.records: list[PassRecord] = []
         self._inputs: dict[str, np.ndarray] | None = None
         self._reference: dict[str, np.ndarray] | None = None
+        self._spare_snapshot: IRModel | None = None
 
     # ------------------------------------------------------------------ driving
 
     def run(self, ir: IRModel) -> RunResult:
         self.records = []
+        self._spare_snapshot = None
         original_outputs = None
         if self.config.verify:
             self._inputs = self.config.inputs or make_inputs(ir, self.config.seed, self._planned_shapes(ir))
@@ -192,7 +194,8 @@ class PassManager:
         return ""
 
     def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord, before_keys: list[tuple[str, str]]) -> None:
-        snapshot = ir.copy()
+        # a copy taken before a pass that then changed nothing is still a copy of the graph
+        snapshot, self._spare_snapshot = self._spare_snapshot or ir.copy(), None
         self.context.forget_names()
         start = time.perf_counter()
         try:
@@ -206,6 +209,7 @@ class PassManager:
         record.stats, record.notes = dict(result.stats), list(result.notes)
         if not result.changed:
             record.seconds = time.perf_counter() - start
+            self._spare_snapshot = snapshot
             return
         failure = check_model(ir, refresh=True)
         record.seconds = time.perf_counter() - start

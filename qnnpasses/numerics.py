@@ -119,7 +119,7 @@ def adapt_inputs(ir: IRModel, inputs: dict[str, np.ndarray]) -> dict[str, np.nda
     adapted = dict(inputs)
     for tensor in ir.graph.inputs:
         value = inputs.get(tensor.name)
-        if value is None or tensor.dtype is None:
+        if not isinstance(value, np.ndarray) or tensor.dtype is None:  # sequences, optionals: as given
             continue
         want = np.dtype(tensor.dtype)
         if want == value.dtype or want.kind not in "iub" or value.dtype.kind not in "iub":
@@ -196,8 +196,25 @@ def compare_outputs(
         if name not in candidate:
             diffs.append(OutputDiff(name, float("inf"), 0.0, False, "output is missing"))
             continue
-        diffs.append(_compare_one(name, np.asarray(ref), np.asarray(candidate[name]), atol, rtol, min_cosine))
+        got = candidate[name]
+        if not isinstance(ref, np.ndarray) or not isinstance(got, np.ndarray):  # sequence/optional outputs
+            diffs.append(_compare_values(name, ref, got))
+            continue
+        diffs.append(_compare_one(name, ref, got, atol, rtol, min_cosine))
     return Comparison(diffs)
+
+
+def _compare_values(name: str, ref, got) -> OutputDiff:
+    """Sequence and optional outputs: equal element by element (NaN equal to NaN), or not ok."""
+    def same(a, b) -> bool:
+        if isinstance(a, list) or isinstance(b, list):
+            return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+        if a is None or b is None:
+            return a is None and b is None
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc")
+    ok = same(ref, got)
+    return OutputDiff(name, 0.0 if ok else float("inf"), 1.0 if ok else 0.0, ok, "" if ok else "sequence/optional output differs")
 
 
 def _compare_one(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, min_cosine: float) -> OutputDiff:
@@ -205,6 +222,9 @@ def _compare_one(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol:
         return OutputDiff(name, float("inf"), 0.0, False, f"shape {got.shape} differs from {ref.shape}")
     if ref.size == 0:
         return OutputDiff(name, 0.0, 1.0, True)
+    if ref.dtype.kind not in "biufc" or got.dtype.kind not in "biufc":  # strings, objects: exactly equal
+        ok = ref.dtype == got.dtype and np.array_equal(ref, got)
+        return OutputDiff(name, 0.0 if ok else float("inf"), 1.0 if ok else 0.0, ok, "" if ok else "values differ")
     a = ref.astype(np.float64)
     b = got.astype(np.float64)
     nan_a, nan_b = np.isnan(a), np.isnan(b)

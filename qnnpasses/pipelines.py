@@ -40,7 +40,7 @@ def get_pipeline(name: str) -> Pipeline:
 _HTP_LLM_HEAD = "fix-shapes,simplify,gathernd,lower-int64,attention-cleanup"
 _HTP_LLM_TAIL = (
     "gqa-broadcast,fuse-rmsnorm,fuse-layernorm,decompose-layernorm,fuse-gelu,decompose-gelu,fp16-safety,"
-    "rotary,repeat{max=3}(layout,simplify),cleanup"
+    "rotary,repeat{max=3}(layout,simplify{use_onnxsim=false}),cleanup"
 )
 
 register_pipeline(

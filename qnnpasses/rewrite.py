@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir import IRModel
+from qnnpasses.ir import DerivedValues, IRModel
 from qnnpasses.pass_api import PassContext
 
 
@@ -41,6 +41,8 @@ def constant_value(tensor: gs.Tensor | None) -> np.ndarray | None:
     if tensor is None:
         return None
     if isinstance(tensor, gs.Constant):
+        if isinstance(tensor._values, DerivedValues):
+            return tensor._values.load()  # a recipe: computed on demand, never cached in the graph
         return np.asarray(tensor.values)
     node = producer(tensor)
     if node is not None and node.op == "Constant" and not node.inputs:
@@ -54,6 +56,14 @@ def constant_value(tensor: gs.Tensor | None) -> np.ndarray | None:
             if key in node.attrs:
                 return np.asarray(node.attrs[key], dtype=dtype)
     return None
+
+
+def is_constant(tensor: gs.Tensor | None) -> bool:
+    """Whether ``tensor``'s value is known at rewrite time, without reading that value."""
+    if isinstance(tensor, gs.Constant):
+        return True
+    node = producer(tensor) if tensor is not None else None
+    return node is not None and node.op == "Constant" and not node.inputs and constant_value(tensor) is not None
 
 
 def is_scalar_constant(tensor: gs.Tensor | None, expected: float | None = None, rtol: float = 1e-6) -> bool:

@@ -1,0 +1,196 @@
+"""Wall time of ``qnnpasses run --pipeline htp-llm`` against its peers, and how it grows with depth.
+
+On a 32-layer LLaMA export from ``tools/make_big_llm.py`` (the node count of a real 7B,
+small hidden size so the weights are tiny), each of these runs as a fresh subprocess,
+median of ``--repeat`` (3) wall-clock runs, all in one invocation on the same machine:
+
+* ``qnnpasses run --pipeline htp-llm`` (no ``--verify``),
+* ``onnxsim`` alone and ``onnxslim`` alone (their command lines, default options),
+* plain ``onnx.load`` + ``onnx.save`` (the floor: parsing and writing the file).
+
+Then the pipeline alone at 2, 8, 32 and 128 layers (the 128/32 ratio shows whether the
+cost grows linearly), the per-pass seconds from ``report.json`` at each depth, and a
+cProfile of the pipeline in-process on the deepest model.  The result is a markdown
+table for the README and a JSON with every figure.
+
+    python tools/bench.py                          # everything (a few minutes)
+    python tools/bench.py --layers 2,8,32 --repeat 1 --no-profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_memory import (
+    DEFAULT_WORKDIR,
+    Measurement,
+    ensure_llama,
+    load_save_argv,
+    measure,
+    onnxsim_argv,
+    onnxslim_argv,
+    qnnpasses_argv,
+)
+
+SMALL = ("--hidden", "256", "--intermediate", "512", "--heads", "8", "--kv-heads", "8", "--vocab", "1000",
+         "--weights", "random", "--dtype", "float32")
+REFERENCE_LAYERS = 32
+
+
+def llama(workdir: Path, layers: int) -> Path:
+    return ensure_llama(workdir / f"llama{layers}" / "model.onnx", "--layers", str(layers), *SMALL)
+
+
+def node_count(model: Path) -> int:
+    import onnx
+
+    return len(onnx.load(str(model), load_external_data=False).graph.node)
+
+
+def timed(jobs: dict[str, tuple[str, list[str], Path]], repeat: int, timeout: float) -> dict[str, dict]:
+    """Median wall time of ``repeat`` fresh runs per job, interleaved round-robin so that
+    load from other processes on the machine spreads evenly over the tools compared."""
+    runs: dict[str, list[Measurement]] = {key: [] for key in jobs}
+    for _ in range(repeat):
+        for key, (label, argv, out) in jobs.items():
+            if runs[key] and not runs[key][-1].ok:
+                continue  # a failing tool fails again; do not wait for it twice
+            runs[key].append(measure(label, argv, timeout=timeout, outputs=[out], log=out.with_suffix(".log")))
+    return {key: {"label": jobs[key][0], "ok": all(r.ok for r in rs), "error": next((r.error for r in rs if r.error), ""),
+                  "seconds": [round(r.seconds, 3) for r in rs], "median": statistics.median(r.seconds for r in rs),
+                  "max_rss_mb": max(r.max_rss_mb for r in rs)} for key, rs in runs.items()}
+
+
+def pass_seconds(report_dir: Path) -> dict[str, float]:
+    """Seconds per pass name (summed over repeats of the same pass) from report.json; the key
+    ``onnxsim`` says whether simplify ran onnxsim (it skips it above ``onnxsim_max_bytes``)."""
+    report = json.loads((report_dir / "report.json").read_text())
+    seconds: dict[str, float] = {}
+    for record in report["passes"]:
+        seconds[record["name"]] = seconds.get(record["name"], 0.0) + record["seconds"]
+        if "onnxsim" in record.get("stats", {}):
+            seconds.setdefault("onnxsim", record["stats"]["onnxsim"])
+    return seconds
+
+
+def profile(model: Path, out: Path, pipeline: str, top: int = 25) -> str:
+    """cProfile of load + pipeline + save in this process: the functions that dominate."""
+    from qnnpasses.ir import load_model, save_model
+    from qnnpasses.manager import PassManager
+    from qnnpasses.pipelines import get_pipeline
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ir = load_model(model)
+    PassManager(get_pipeline(pipeline)).run(ir)
+    save_model(ir, out)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def fmt(entry: dict) -> str:
+    return f"{entry['median']:.2f}" if entry["ok"] else f"failed ({entry['error'][:80]})"
+
+
+def ratio(a: dict, b: dict) -> str:
+    return f"{a['median'] / b['median']:.2f}x" if a["ok"] and b["ok"] and b["median"] > 0 else "-"
+
+
+def render(peers: dict, depth: dict, nodes: dict, per_pass: dict) -> str:
+    pipe = peers["qnnpasses"]
+    lines = [f"32-layer LLaMA ({nodes[REFERENCE_LAYERS]} nodes), median of {len(pipe['seconds'])} fresh runs:", "",
+             "| tool | wall s (median) | peak RSS | qnnpasses htp-llm / tool |", "|---|---:|---:|---:|"]
+    for key, entry in peers.items():
+        lines.append(f"| {entry['label']} | {fmt(entry)} | {entry['max_rss_mb']:.0f} MiB | "
+                     f"{'-' if key == 'qnnpasses' else ratio(pipe, entry)} |")
+    layers = sorted(depth)
+    lines += ["", "| layers | nodes | htp-llm wall s | per layer (ms) |", "|---:|---:|---:|---:|"]
+    for n in layers:
+        lines.append(f"| {n} | {nodes[n]} | {fmt(depth[n])} | {1000 * depth[n]['median'] / n:.0f} |")
+    if REFERENCE_LAYERS in depth and 128 in depth:
+        lines.append(f"\n128/32 layers: {ratio(depth[128], depth[REFERENCE_LAYERS])} (linear would be 4.0x)")
+        rest = {n: sum(v for k, v in per_pass.get(n, {}).items() if k not in ("simplify", "onnxsim")) for n in (32, 128)}
+        if rest[32] > 0:
+            lines.append(f"passes other than simplify: {rest[32]:.2f} s -> {rest[128]:.2f} s ({rest[128] / rest[32]:.1f}x)")
+        sims = {n: per_pass.get(n, {}).get("onnxsim", "?") for n in layers}
+        if len(set(sims.values())) > 1:
+            lines.append("simplify's onnxsim: " + ", ".join(f"{n} layers {v}" for n, v in sims.items())
+                         + " (skipped above onnxsim_max_bytes of weights: not comparable)")
+    names = sorted({p for n in layers for p in per_pass.get(n, {}) if p != "onnxsim"},
+                   key=lambda p: -per_pass.get(layers[-1], {}).get(p, 0.0))
+    lines += ["", "| pass (s) | " + " | ".join(f"{n} layers" for n in layers) + " | growth last/prev |",
+              "|---|" + "---:|" * (len(layers) + 1)]
+    for name in names:
+        cells = [per_pass.get(n, {}).get(name, 0.0) for n in layers]
+        growth = f"{cells[-1] / cells[-2]:.1f}x" if len(cells) > 1 and cells[-2] > 0.005 else "-"
+        lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {growth} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    parser.add_argument("--pipeline", default="htp-llm")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--layers", default="2,8,32,128", help="depths for the growth table")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    work = args.workdir / "speed"
+    work.mkdir(parents=True, exist_ok=True)
+    layers = sorted({int(n) for n in args.layers.split(",")} | {REFERENCE_LAYERS})
+    models = {n: llama(args.workdir, n) for n in layers}
+    nodes = {n: node_count(m) for n, m in models.items()}
+    ref = models[REFERENCE_LAYERS]
+
+    load_before = os.getloadavg()
+    jobs = {"qnnpasses": (f"qnnpasses run --pipeline {args.pipeline}",
+                          qnnpasses_argv(ref, work / "qp.onnx", work / f"report{REFERENCE_LAYERS}", args.pipeline),
+                          work / "qp.onnx")}
+    if not args.no_peers:
+        jobs["onnxsim"] = ("onnxsim (alone)", onnxsim_argv(ref, work / "onnxsim.onnx", False), work / "onnxsim.onnx")
+        jobs["onnxslim"] = ("onnxslim (alone)", onnxslim_argv(ref, work / "onnxslim.onnx", False), work / "onnxslim.onnx")
+        jobs["load-save"] = ("onnx.load + onnx.save", load_save_argv(ref, work / "load-save.onnx", True),
+                             work / "load-save.onnx")
+    for n in layers:
+        if n != REFERENCE_LAYERS:
+            jobs[n] = (f"htp-llm {n} layers", qnnpasses_argv(models[n], work / f"qp{n}.onnx", work / f"report{n}",
+                                                             args.pipeline), work / f"qp{n}.onnx")
+    timings = timed(jobs, args.repeat, args.timeout)
+    peers = {k: v for k, v in timings.items() if isinstance(k, str)}
+    depth = {n: timings["qnnpasses" if n == REFERENCE_LAYERS else n] for n in layers}
+    per_pass = {n: pass_seconds(work / f"report{n}") for n in layers if (work / f"report{n}" / "report.json").exists()}
+    load_after = os.getloadavg()
+    table = render(peers, depth, nodes, per_pass)
+    table += (f"\n\nload average (1 min) before/after: {load_before[0]:.1f} / {load_after[0]:.1f} "
+              f"on {os.cpu_count()} CPUs")
+    print(table)
+    profile_text = ""
+    if not args.no_profile:
+        profile_text = profile(models[layers[-1]], work / "profiled.onnx", args.pipeline)
+        (work / "profile.txt").write_text(profile_text)
+        print(f"\ncProfile of the {layers[-1]}-layer run: {work / 'profile.txt'}")
+    if args.json:
+        args.json.write_text(json.dumps({"nodes": nodes, "peers": peers, "depth": depth, "per_pass": per_pass,
+                                         "table": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
