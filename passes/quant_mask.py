@@ -29,10 +29,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from qnnpasses.passes.attention_cleanup import AttentionCleanup
 
 from qnnpasses.ir import IRModel
 from qnnpasses.pass_api import Pass, PassContext, PassResult, register_pass
-from qnnpasses.passes.attention_cleanup import AttentionCleanup
 
 
 @register_pass
@@ -44,7 +44,7 @@ class QuantMask(Pass):
     class Options:
         margin: float = field(default=20.0, metadata={"help": "masked keys keep weight <= exp(-margin)"})
         threshold: float = field(default=-1000.0, metadata={"help": "mask constants at or below this are masks"})
-        fallback: float = field(default=1000.0, metadata={"help": "M without calibration data"})
+        fallback: float = field(default=500.0, metadata={"help": "M without calibration data (safe for score spreads < 480)"})
         max_samples: int = field(default=8, metadata={"help": "calibration samples to run"})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
@@ -65,6 +65,7 @@ class QuantMask(Pass):
     def _spread(self, ir: IRModel, ctx: PassContext, names: list[str]) -> float | None:
         """Largest per-row spread of the unmasked softmax inputs over the calibration samples."""
         from qnnpasses.passes._norm_risk import calibration_samples
+
         from qnnpasses.numerics import run_cpu
 
         samples = calibration_samples(ctx, self.options.max_samples)

@@ -1,0 +1,149 @@
+"""``qnnpasses quantize``: prepare for the HTP, quantize statically to QDQ with a mixed-precision plan.
+
+See :mod:`qnnpasses.quant.driver` (steps), :mod:`qnnpasses.quant.policy` (what gets 16 bit),
+:mod:`qnnpasses.quant.calibration` (data formats) and :mod:`qnnpasses.quant.overrides`
+(the converter's ``--quantization_overrides`` file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from qnnpasses.analysis.text import table
+from qnnpasses.commands.common import parse_shape_args
+from qnnpasses.errors import BadInputError
+from qnnpasses.quant.policy import CATEGORIES, PrecisionPolicy
+
+SUMMARY = "quantize a model for the HTP (static QDQ, mixed precision); --evaluate scores it on the real HTP"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("quantize", help=SUMMARY, description=SUMMARY)
+    parser.add_argument("model", help="float ONNX model (the htp-llm pipeline runs first unless it already ran)")
+    parser.add_argument("--calib", required=True, metavar="DATA",
+                        help=".npz/.npy file, a folder of them, or input_list.txt with raw files")
+    parser.add_argument("-o", "--output", required=True, help="output QDQ model")
+    parser.add_argument("--act", choices=("uint8", "uint16"), default="uint16", help="activation width (default uint16)")
+    parser.add_argument("--weights", choices=("int8", "uint8", "int16"), default="int8",
+                        help="weight type of MatMul/Gemm (default int8, symmetric)")
+    parser.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=True,
+                        help="per-output-channel weights (default on)")
+    parser.add_argument("--sensitive-16bit", action=argparse.BooleanOptionalAction, default=True,
+                        help="embedding, lm_head, Q·Kᵀ/softmax and norm tensors at 16 bit (default on)")
+    parser.add_argument("--sensitive", default=",".join(CATEGORIES), metavar="LIST",
+                        help=f"which categories count as sensitive (default {','.join(CATEGORIES)})")
+    parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None,
+                        help="quantize the KV cache (past/present tensors) at this width")
+    parser.add_argument("--calib-method", choices=("minmax", "percentile", "entropy"), default="minmax")
+    parser.add_argument("--overrides", metavar="FILE.json",
+                        help="also write the plan as qnn-onnx-converter --quantization_overrides (AIMET encodings); "
+                             "the float model it names is written next to OUTPUT as *.prepared.onnx")
+    parser.add_argument("--overrides-version", choices=("1.0.0", "0.6.1"), default="1.0.0")
+    parser.add_argument("--evaluate", metavar="EVAL_DATA",
+                        help="score the QDQ model on the real HTP against the fp32 model on CPU (disjoint from --calib)")
+    parser.add_argument("--eval-samples", type=int, default=None, help="evaluate at most this many samples")
+    parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC",
+                        help="pipeline run first, by name or textual (default htp-llm; skipped when the model "
+                             "records that a qnnpasses pipeline already ran)")
+    parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                        help="static input shape for the pipeline (repeatable)")
+    parser.add_argument("--report", metavar="FILE.json", help="write what was done and measured as JSON")
+    parser.set_defaults(func=main)
+
+
+def _policy(args) -> PrecisionPolicy:
+    sensitive = tuple(s.strip() for s in args.sensitive.split(",") if s.strip())
+    return PrecisionPolicy(act=args.act, weights=args.weights, per_channel=args.per_channel,
+                           sensitive_bits=16 if args.sensitive_16bit else None, sensitive=sensitive,
+                           kv_bits=args.kv_bits, calibrate_method=args.calib_method)
+
+
+def main(args) -> int:
+    from qnnpasses.quant.driver import quantize_model
+
+    policy = _policy(args)
+    if args.eval_samples is not None and args.eval_samples < 1:
+        raise BadInputError("--eval-samples must be at least 1")
+    if Path(args.output).resolve() == Path(args.model).resolve():
+        raise BadInputError("refusing to overwrite the input model; choose another --output")
+    out = Path(args.output)
+    prepared = out.with_name(out.stem + ".prepared.onnx") if args.overrides else None
+    result = quantize_model(args.model, args.calib, out, policy, shapes=parse_shape_args(args.shape),
+                            keep_prepared=prepared, pipeline=args.pipeline)
+    report = result.as_dict()
+    print(f"{args.model} -> {out} ({policy.label()}; {result.calibration_samples} calibration samples, "
+          f"{result.seconds:.1f}s)")
+    plan = result.plan.summary()
+    print(f"plan: sensitive {plan['sensitive'] or 'none'}, per-channel weights {plan['per_channel_weights']}, "
+          f"KV tensors {plan['kv_tensors']}")
+    if args.overrides:
+        from qnnpasses.quant.overrides import write_overrides
+
+        path = write_overrides(out, args.overrides, version=args.overrides_version,
+                               quantizer_args=policy.quantizer_args())
+        report["overrides"] = {"file": str(path), "prepared_model": str(prepared)}
+        print(f"overrides: {path} (for {prepared})")
+    if args.evaluate:
+        report["evaluation"] = _evaluate(args, out, policy)
+    if args.report:
+        from qnnpasses.report import json_safe
+
+        Path(args.report).write_text(json.dumps(json_safe(report), indent=2))
+    return 0
+
+
+def _evaluate(args, out: Path, policy: PrecisionPolicy) -> dict:
+    """Scores of the output; with --kv-bits also of the same plan with the cache at activation width."""
+    from qnnpasses.ir import load_model
+    from qnnpasses.quant.calibration import CalibrationData, model_inputs
+    from qnnpasses.quant.driver import quantize_model
+    from qnnpasses.quant.evaluate import evaluate
+
+    data = CalibrationData(args.evaluate, model_inputs(load_model(out)))
+    ev = evaluate(args.model, out, data, limit=args.eval_samples)
+    result = {"quantized": ev.as_dict()}
+    rows = [_row(policy.label(), ev)]
+    if policy.kv_bits:
+        from dataclasses import replace
+
+        with tempfile.TemporaryDirectory(prefix="qnnpasses-kv-") as tmp:
+            base = Path(tmp) / "kv_at_act_width.onnx"
+            quantize_model(args.model, args.calib, base, replace(policy, kv_bits=None),
+                           shapes=parse_shape_args(args.shape), pipeline=args.pipeline)
+            baseline = evaluate(args.model, base, data, limit=args.eval_samples)
+        result["kv_baseline"] = baseline.as_dict()
+        result["kv_cost"] = _kv_cost(ev, baseline)
+        rows.append(_row(replace(policy, kv_bits=None).label() + " (KV at activation width)", baseline))
+    placement = f"{ev.qnn_partitions} QNN partition(s), {len(ev.cpu_nodes)} CPU node(s)"
+    print(f"\nHTP (integer mode) vs fp32 CPU over {ev.samples} samples; {placement}")
+    print("\n".join(table(["model", "output", "cosine", "max abs", "top-1", "perplexity (fp32)"],
+                          [r for rs in rows for r in rs])))
+    if "kv_cost" in result:
+        cost = result["kv_cost"]
+        print(f"KV cache at {policy.kv_bits} bit costs: cosine {cost['cosine']:+.2e}, top-1 {cost['top1']:+.1%}"
+              if cost.get("top1") is not None else f"KV cache at {policy.kv_bits} bit costs: cosine {cost['cosine']:+.2e}")
+    sys.stdout.flush()
+    return result
+
+
+def _row(label: str, ev) -> list[list[str]]:
+    rows = []
+    for o in ev.outputs:
+        ppl = "-" if o.perplexity is None else f"{o.perplexity:.3f} ({o.reference_perplexity:.3f})"
+        rows.append([label, o.name, f"{o.cosine:.6f}", f"{o.max_abs:.4g}",
+                     "-" if o.top1 is None else f"{o.top1:.1%}", ppl])
+    return rows
+
+
+def _kv_cost(ev, baseline) -> dict:
+    a, b = ev.headline, baseline.headline
+    cost = {"cosine": a.cosine - b.cosine, "max_abs": a.max_abs - b.max_abs}
+    if a.top1 is not None and b.top1 is not None:
+        cost["top1"] = a.top1 - b.top1
+    if a.perplexity is not None and b.perplexity is not None:
+        cost["perplexity"] = a.perplexity - b.perplexity
+    return cost

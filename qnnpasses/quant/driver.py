@@ -1,0 +1,185 @@
+"""The quantize driver: prepare the graph for the HTP, quantize it statically to QDQ, record the plan.
+
+Steps (``qnnpasses quantize``):
+
+1. **Prepare.**  Unless the model's ``metadata_props`` carry ``qnnpasses.pipeline`` (the
+   ``htp-llm`` pipeline already ran), run ``htp-llm``; then the quantization-prep passes
+   (``QUANT_PREP``): graph fixes that only quantization needs, each a framework pass with
+   its record.  ``htp-llm`` itself makes masks finite, removes NaN guards and int64 math.
+2. **Plan.**  :func:`qnnpasses.quant.policy.make_plan`: 16-bit sensitive tensors, per-channel
+   symmetric weights, the KV cache width.
+3. **Quantize.**  onnxruntime's QNN recipe (``get_qnn_qdq_config`` + ``quantize``) with the
+   plan as its tensor overrides, fed by a streaming reader (one sample in memory at a time;
+   the MinMax calibrator keeps only a ReduceMin/ReduceMax pair per tensor and sample.
+   onnxruntime's ``CalibMaxIntermediateOutputs`` is not used: in 1.32 it *discards* the
+   ranges of every completed chunk instead of merging them).  ``ForceQuantizeNoInputCheck`` makes ops whose
+   other operands are constants (the mask ``Where(cond, 0, -M)``) quantize them too: the
+   HTP has no float ``Select`` in integer mode ("could not create op: q::Select").
+4. **Record.**  ``qnnpasses.quantization`` in the output's metadata (the policy as JSON),
+   and the plan as converter overrides (:mod:`qnnpasses.quant.overrides`) when asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnxruntime.quantization import CalibrationMethod, quantize
+from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+from qnnpasses.errors import BadInputError
+from qnnpasses.ir import IRModel, load_model, save_model
+from qnnpasses.manager import PassManager, RunConfig
+from qnnpasses.pass_api import PassContext
+from qnnpasses.pipeline import Pipeline, parse_pipeline
+from qnnpasses.pipelines import get_pipeline, named_pipelines
+from qnnpasses.quant.calibration import CalibrationData, model_inputs
+from qnnpasses.quant.policy import Plan, PrecisionPolicy, make_plan
+
+PIPELINE_KEY = "qnnpasses.pipeline"
+QUANT_KEY = "qnnpasses.quantization"
+#: Quantization-prep passes, after htp-llm.
+QUANT_PREP = "quant-mask,cleanup"
+#: Samples the prep passes see (they calibrate mask ranges).
+PREP_SAMPLES = 8
+CALIBRATION_METHODS = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+                       "entropy": CalibrationMethod.Entropy}
+
+
+@dataclass
+class PrepResult:
+    ir: IRModel
+    pipeline: str | None  # what ran (None: the input was already prepared)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class QuantizeResult:
+    output: Path
+    policy: PrecisionPolicy
+    plan: Plan
+    prep: PrepResult
+    seconds: float
+    calibration_samples: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"output": str(self.output), "policy": asdict(self.policy), "plan": self.plan.summary(),
+                "pipeline": self.prep.pipeline, "prep_passes": self.prep.records, "seconds": round(self.seconds, 2),
+                "calibration_samples": self.calibration_samples}
+
+
+def resolve_pipeline(pipeline: str) -> Pipeline:
+    """A named pipeline (``htp-llm``) or a textual one (``fix-shapes,simplify,...``)."""
+    return get_pipeline(pipeline) if pipeline in named_pipelines() else parse_pipeline(pipeline)
+
+
+def ensure_pipeline(ir: IRModel, *, pipeline: str = "htp-llm", shapes: dict[str, list[int]] | None = None) -> PrepResult:
+    """Run ``pipeline`` on ``ir`` in place unless its metadata says a qnnpasses pipeline already ran."""
+    if PIPELINE_KEY in ir.metadata_props:
+        return PrepResult(ir, None)
+    spec = resolve_pipeline(pipeline)
+    result = PassManager(spec, RunConfig(), context=PassContext(shapes=dict(shapes or {}))).run(ir)
+    ir.metadata_props[PIPELINE_KEY] = spec.to_text()
+    return PrepResult(ir, spec.to_text(), [_brief(r) for r in result.records])
+
+
+def quant_prep(ir: IRModel, calib: CalibrationData | None) -> list[dict[str, Any]]:
+    """The quantization-prep passes (``QUANT_PREP``), verified on CPU, calibrated on the first samples."""
+    samples = calib.head(PREP_SAMPLES) if calib is not None else None
+    config = RunConfig(verify=bool(samples), inputs=samples[0] if samples else None)
+    result = PassManager(parse_pipeline(QUANT_PREP), config, context=PassContext(calibration=samples)).run(ir)
+    return [_brief(r) for r in result.records]
+
+
+def _brief(record) -> dict[str, Any]:
+    return {"pass": record.name, "status": record.status, "stats": record.stats, "reason": record.reason}
+
+
+def qdq_config(prepared_path: Path, calib: CalibrationData, policy: PrecisionPolicy, plan: Plan):
+    """onnxruntime's QNN static-quantization config for ``policy`` with ``plan``'s overrides."""
+    method = CALIBRATION_METHODS.get(policy.calibrate_method)
+    if method is None:
+        raise BadInputError(f"unknown calibration method '{policy.calibrate_method}' ({', '.join(CALIBRATION_METHODS)})")
+    config = get_qnn_qdq_config(
+        str(prepared_path), calib.reader(), calibrate_method=method, activation_type=policy.act_type,
+        weight_type=policy.weight_type, per_channel=False, init_overrides=plan.overrides or None,
+        weight_symmetric=policy.weights.startswith("int"))
+    config.extra_options["ForceQuantizeNoInputCheck"] = True
+    if method is CalibrationMethod.Percentile:
+        config.extra_options.setdefault("CalibPercentile", 99.999)
+    return config
+
+
+def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | str | os.PathLike,
+                   output: str | os.PathLike, policy: PrecisionPolicy | None = None, *,
+                   shapes: dict[str, list[int]] | None = None, keep_prepared: str | os.PathLike | None = None,
+                   run_prep: bool = True, pipeline: str = "htp-llm") -> QuantizeResult:
+    """Prepare, plan and quantize ``model`` into the QDQ model ``output`` (see the module docs).
+
+    ``pipeline`` (a name or a textual pipeline) runs first unless the model says one already ran.
+    ``run_prep=False`` skips the quantization-prep passes (``model`` went through them already,
+    as in a sweep); ``keep_prepared`` writes the prepared float model there (the model the
+    converter overrides name).
+    """
+    start = time.monotonic()
+    policy = policy or PrecisionPolicy()
+    ir = model if isinstance(model, IRModel) else load_model(model)
+    prep = ensure_pipeline(ir, pipeline=pipeline, shapes=shapes)
+    if not isinstance(calib, CalibrationData):
+        calib = CalibrationData(calib, model_inputs(ir))
+    _check_same_inputs(ir, calib)
+    if run_prep:
+        prep.records += quant_prep(ir, calib)
+    plan = make_plan(ir, policy)
+    out = Path(output).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="qnnpasses-quant-") as tmp:
+        prepared = save_model(ir, Path(keep_prepared).resolve() if keep_prepared else Path(tmp) / "prepared.onnx")
+        config = qdq_config(prepared, calib, policy, plan)
+        cwd = os.getcwd()
+        os.chdir(tmp)  # the calibrator writes augmented_model.onnx into the working directory
+        try:
+            with quiet_quantizer():
+                quantize(str(prepared.resolve()), str(out.resolve()), config)
+        finally:
+            os.chdir(cwd)
+    _stamp(out, prep, policy)
+    return QuantizeResult(out, policy, plan, prep, time.monotonic() - start, len(calib))
+
+
+@contextlib.contextmanager
+def quiet_quantizer():
+    """Silence onnxruntime.quantization's root-logger advice ("consider pre-processing") for one call."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def _check_same_inputs(ir: IRModel, calib: CalibrationData) -> None:
+    names = [t.name for t in ir.graph.inputs]
+    if [s.name for s in calib.inputs] != names:
+        raise BadInputError(f"calibration inputs {[s.name for s in calib.inputs]} differ from the model's {names}")
+
+
+def _stamp(path: Path, prep: PrepResult, policy: PrecisionPolicy) -> None:
+    """Record the pipeline and the policy in the output's metadata (keeps other keys)."""
+    model = onnx.load(str(path), load_external_data=False)
+    props = {p.key: p.value for p in model.metadata_props}
+    props[PIPELINE_KEY] = prep.ir.metadata_props.get(PIPELINE_KEY, prep.pipeline or "")
+    props[QUANT_KEY] = json.dumps(asdict(policy), sort_keys=True)
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))

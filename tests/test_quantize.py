@@ -1,0 +1,176 @@
+"""qnnpasses quantize: the plan finds the sensitive tensors by structure, the QDQ output runs on the real
+HTP in integer mode as one partition with no CPU node, mixed precision beats uniform uint8, the KV cache
+goes 8-bit at the graph boundary, and the CLI reports bad data in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import fixture_path, requires_htp
+from onnx import numpy_helper
+
+from qnnpasses.cli import main as cli
+from qnnpasses.ir import load_model
+from qnnpasses.manager import PassManager
+from qnnpasses.pipelines import get_pipeline
+from qnnpasses.quant.calibration import CalibrationData, model_inputs
+from qnnpasses.quant.data import token_windows
+from qnnpasses.quant.driver import PIPELINE_KEY, QUANT_KEY, quantize_model
+from qnnpasses.quant.evaluate import evaluate, next_token_nll
+from qnnpasses.quant.policy import PrecisionPolicy, find_sensitive, kv_tensors, make_plan
+
+LLAMA = "llama_gqa_ts"
+MIXED = PrecisionPolicy(act="uint8", weights="int8", per_channel=True, sensitive_bits=16)
+UNIFORM_U8 = PrecisionPolicy(act="uint8", weights="uint8", per_channel=False, sensitive_bits=8)
+
+
+def _data(tmp, name: str, calib: int = 32, evals: int = 8):
+    ir = load_model(fixture_path(name))
+    np.savez(tmp / f"{name}.calib.npz", **token_windows(ir, calib, seed=0, part="calib"))
+    np.savez(tmp / f"{name}.eval.npz", **token_windows(ir, evals, seed=0, part="eval"))
+    return tmp / f"{name}.calib.npz", tmp / f"{name}.eval.npz"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quantize")
+    calib, evals = _data(tmp, LLAMA)
+    return tmp, calib, evals
+
+
+def _prepared(name: str):
+    ir = load_model(fixture_path(name))
+    PassManager(get_pipeline("htp-llm")).run(ir)
+    return ir
+
+
+def test_plan_finds_sensitive_tensors_by_structure():
+    ir = _prepared(LLAMA)
+    found = find_sensitive(ir)
+    by_category = {c: [n for n, k in found.items() if k == c] for c in set(found.values())}
+    gather = next(n for n in ir.graph.nodes if n.op == "Gather")
+    assert set(by_category["embedding"]) == {gather.inputs[0].name, gather.outputs[0].name}
+    softmaxes = [n for n in ir.graph.nodes if n.op == "Softmax"]
+    assert sorted(by_category["softmax"]) == sorted(n.outputs[0].name for n in softmaxes)
+    for softmax in softmaxes:  # Q·Kᵀ output through scale and mask to the softmax input
+        assert softmax.inputs[0].name in by_category["attention"]
+    assert len(by_category["attention"]) == 3 * len(softmaxes)
+    norms = [n for n in ir.graph.nodes if n.op == "RMSNormalization"]
+    assert {n.outputs[0].name for n in norms} | {n.inputs[0].name for n in norms} <= set(by_category["norm"])
+    head = next(n for n in ir.graph.nodes if n.op == "MatMul" and tuple(n.inputs[1].shape) == (64, 256))
+    assert head.outputs[0].name in by_category["lm_head"]
+    plan = make_plan(ir, MIXED)
+    assert all(plan.overrides[n][0]["quant_type"].name == "QUInt16" for n in found)
+    assert plan.per_channel and set(plan.per_channel.values()) == {1}  # 2-D MatMul weights, output axis
+    gammas = [n.inputs[1].name for n in norms]
+    assert all(plan.overrides[g] == [{"quant_type": plan.overrides[g][0]["quant_type"], "symmetric": False}]
+               and plan.overrides[g][0]["quant_type"].name == "QUInt8" for g in gammas)
+
+
+def test_kv_cache_tensors_are_found_at_the_boundary():
+    ir = _prepared("llama_gqa_kv_ts")
+    kv = kv_tensors(ir.graph)
+    assert sorted(kv) == sorted([f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+                                + [f"present.{i}.{k}" for i in range(2) for k in ("key", "value")])
+    assert not kv_tensors(_prepared(LLAMA).graph)
+
+
+def test_perplexity_helper_matches_a_hand_computation():
+    logits = np.log(np.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
+    nll = next_token_nll(logits, np.array([[0, 2]]))
+    np.testing.assert_allclose(nll, -np.log([[0.5, 0.8]]))
+
+
+@requires_htp
+def test_default_recipe_runs_on_htp_as_one_partition_and_keeps_accuracy(llama):
+    tmp, calib, evals = llama
+    out = tmp / "default.qdq.onnx"
+    result = quantize_model(fixture_path(LLAMA), calib, out, keep_prepared=tmp / "default.prepared.onnx")
+    assert result.prep.pipeline is not None and result.calibration_samples == 32
+    mask = next(r for r in result.prep.records if r["pass"] == "quant-mask")
+    assert mask["status"] == "changed" and mask["stats"]["mask_value"] > -100
+    props = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert PIPELINE_KEY in props and json.loads(props[QUANT_KEY])["act"] == "uint16"
+    ev = evaluate(fixture_path(LLAMA), out, CalibrationData(evals, model_inputs(load_model(out))))
+    assert ev.qnn_partitions == 1 and ev.cpu_nodes == []
+    head = ev.headline
+    assert head.name == "logits" and head.cosine >= 0.999 and head.top1 >= 0.9
+    assert abs(head.perplexity - head.reference_perplexity) / head.reference_perplexity < 0.01
+    again = quantize_model(tmp / "default.prepared.onnx", calib, tmp / "again.qdq.onnx")
+    assert again.prep.pipeline is None  # metadata says htp-llm already ran: not run twice
+
+
+@requires_htp
+def test_mixed_precision_beats_uniform_uint8_on_htp(llama):
+    tmp, calib, evals = llama
+    scores = {}
+    for label, policy in (("mixed", MIXED), ("uniform", UNIFORM_U8)):
+        out = tmp / f"{label}.qdq.onnx"
+        quantize_model(fixture_path(LLAMA), calib, out, policy)
+        ev = evaluate(fixture_path(LLAMA), out, CalibrationData(evals, model_inputs(load_model(out))))
+        assert ev.qnn_partitions == 1 and ev.cpu_nodes == []
+        scores[label] = ev.headline
+    assert scores["mixed"].cosine > scores["uniform"].cosine + 2e-4
+    assert scores["mixed"].top1 >= scores["uniform"].top1
+    assert scores["mixed"].max_abs < scores["uniform"].max_abs
+
+
+@requires_htp
+def test_kv_cache_at_8_bit_on_htp(tmp_path):
+    calib, evals = _data(tmp_path, "llama_gqa_kv_ts", calib=16, evals=8)
+    out = tmp_path / "kv8.qdq.onnx"
+    quantize_model(fixture_path("llama_gqa_kv_ts"), calib, out, PrecisionPolicy(kv_bits=8))
+    model = onnx.load(str(out))
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    q_of = {n.input[0]: inits[n.input[2]].dtype for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    assert all(q_of[f"past_key_values.{i}.{k}"] == np.uint8 for i in range(2) for k in ("key", "value"))
+    present_q = [q_of[name] for name in q_of if name.startswith("present.")]
+    assert len(present_q) == 4 and all(t == np.uint8 for t in present_q)
+    assert q_of["logits_QuantizeLinear_Input"] == np.uint16
+    ev = evaluate(fixture_path("llama_gqa_kv_ts"), out, CalibrationData(evals, model_inputs(load_model(out))))
+    assert ev.qnn_partitions == 1 and ev.cpu_nodes == []
+    scores = {o.name: o for o in ev.outputs}
+    assert scores["logits"].cosine > 0.998 and all(scores[f"present.{i}.key"].cosine > 0.999 for i in range(2))
+
+
+def test_cli_writes_model_overrides_and_report(llama, tmp_path, capsys):
+    _, calib, _ = llama
+    out = tmp_path / "cli.qdq.onnx"
+    code = cli(["quantize", str(fixture_path(LLAMA)), "--calib", str(calib), "-o", str(out), "--act", "uint8",
+                "--no-per-channel", "--overrides", str(tmp_path / "ov.json"), "--report", str(tmp_path / "r.json")])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "wint8-pt a8 s16" in text and "overrides:" in text
+    assert out.exists() and (tmp_path / "cli.qdq.prepared.onnx").exists()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["policy"]["per_channel"] is False and report["plan"]["per_channel_weights"] == 0
+    doc = json.loads((tmp_path / "ov.json").read_text())
+    assert doc["quantizer_args"]["activation_bitwidth"] == 8 and doc["version"] == "1.0.0"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("attention_mask"), "no array for model input(s) ['attention_mask']"),
+    (lambda d: d.update(input_ids=d["input_ids"].astype(np.int32)), "has dtype int32, the model wants int64"),
+    (lambda d: d.update(input_ids=d["input_ids"][:, :, :8]), "has shape [4, 1, 8], the model wants [1, 16]"),
+])
+def test_cli_reports_calibration_mismatch_in_one_line(tmp_path, capsys, mutate, message):
+    data = token_windows(load_model(fixture_path(LLAMA)), 4, seed=1)
+    mutate(data)
+    np.savez(tmp_path / "bad.npz", **data)
+    code = cli(["quantize", str(fixture_path(LLAMA)), "--calib", str(tmp_path / "bad.npz"), "-o",
+                str(tmp_path / "x.onnx")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_cli_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli(["quantize", str(fixture_path(LLAMA)), "--calib", "x.npz", "-o", "y.onnx", "--act", "int4"])
+    assert info.value.code == 2
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    code = cli(["quantize", str(fixture_path(LLAMA)), "--calib", "x.npz", "-o", "y.onnx", "--sensitive", "lmhead"])
+    assert code == 2 and "unknown sensitive categories ['lmhead']" in capsys.readouterr().err
