@@ -83,6 +83,8 @@ def main(args) -> int:
                                       result=partial, before=ops_before, after=op_histogram(ir)), args.report_dir)
         raise
 
+    # lets later tools (quantize) see that the pipeline already ran, and which one
+    ir.metadata_props["qnnpasses.pipeline"] = pipeline.to_text()
     external = {"auto": None, "always": True, "never": False}[args.external_data]
     save_model(ir, args.output, external_data=external)
     report = build_report(input_path=args.model, output_path=args.output, pipeline_text=pipeline.to_text(),
