@@ -196,6 +196,8 @@ def test_run_writes_model_report_and_ir_dumps(tmp_path, capsys):
     inputs = fixture_inputs(GOOD)
     np.testing.assert_allclose(run_cpu(out, inputs)["logits"], run_cpu(fixture_path(GOOD), inputs)["logits"], atol=1e-4)
     assert "pass" in stdout  # the per-pass table
+    metadata = {p.key: p.value for p in onnx.load(out).metadata_props}
+    assert metadata["qnnpasses.pipeline"] == report["pipeline"]
 
 
 def test_console_script_runs_in_a_fresh_process(tmp_path):
