@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import numpy as np
 import onnx.parser
 import pytest
 
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
+from pass_testing import op_counts, run_strictly
 from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
 from qnnpasses.numerics import compare_outputs, run_cpu
-from qnnpasses.pipeline import parse_pipeline
 
 X = {"x": np.linspace(-12.0, 12.0, 1024, dtype=np.float32).reshape(1, 16, 64)}
 BIAS = "{" + ",".join(str(0.05 * (i % 5) - 0.1) for i in range(64)) + "}"
@@ -35,13 +33,9 @@ def tanh_gelu(x: np.ndarray) -> np.ndarray:
 
 
 def rewrite(source, spec: str = "decompose-gelu{when=always}", inputs=None):
-    ir = load_model(source)
-    result = PassManager(parse_pipeline(spec), RunConfig(verify=True, strict=True, inputs=inputs)).run(ir)
-    return ir, result.records[-1]
+    return run_strictly(source, spec, inputs)
 
-
-def ops(ir) -> Counter:
-    return Counter(n.op for n in ir.graph.nodes)
+ops = op_counts
 
 
 def test_exact_gelu_without_erf_matches_erf_to_1e6():

@@ -9,6 +9,7 @@ import onnx.parser
 import pytest
 
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
+from pass_testing import op_counts, run_strictly
 from qnnpasses.ir import load_model, save_model
 from qnnpasses.manager import PassManager, RunConfig
 from qnnpasses.numerics import compare_outputs, cosine_similarity, run_cpu
@@ -32,13 +33,9 @@ def layernorm(shape: list[int], axis: int, bias: bool = True, extra_outputs: boo
 
 
 def rewrite(source, spec: str = "decompose-layernorm", inputs=None):
-    ir = load_model(source)
-    result = PassManager(parse_pipeline(spec), RunConfig(verify=True, strict=True, inputs=inputs)).run(ir)
-    return ir, result.records[-1]
+    return run_strictly(source, spec, inputs)
 
-
-def ops(ir) -> Counter:
-    return Counter(n.op for n in ir.graph.nodes)
+ops = op_counts
 
 
 def test_axis_not_last_is_flattened_onto_a_last_axis_layernorm():

@@ -12,6 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 from conftest import LLAMA_FAMILY, fixture_inputs, fixture_outputs, fixture_path, requires_htp
+from pass_testing import op_counts, run_strictly
 from qnnpasses.ir import load_model, save_model, to_model_bytes
 from qnnpasses.manager import PassManager, RunConfig
 from qnnpasses.numerics import compare_outputs, cosine_similarity, run_cpu
@@ -32,14 +33,9 @@ def model(body: str, inits: str = "", shape: str = "1,8,64", opset: int = 17):
 
 
 def rewrite(source, spec: str = "fp16-safety", inputs=None, calibration=None):
-    ir = load_model(source)
-    ctx = PassContext(verbose=True, calibration=calibration)
-    result = PassManager(parse_pipeline(spec), RunConfig(verify=True, strict=True, inputs=inputs), context=ctx).run(ir)
-    return ir, result.records[-1]
+    return run_strictly(source, spec, inputs, calibration)
 
-
-def ops(ir) -> Counter:
-    return Counter(n.op for n in ir.graph.nodes)
+ops = op_counts
 
 
 # ------------------------------------------------------------------ rewrites

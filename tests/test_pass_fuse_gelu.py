@@ -9,11 +9,9 @@ import onnx.parser
 import pytest
 
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
+from pass_testing import op_counts, run_strictly
 from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
 from qnnpasses.numerics import compare_outputs, run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
 
 ERF_HF = "c = Constant<value=float {1.4142135}>() \n d = Div(x, c) \n e = Erf(d) \n o = Constant<value=float {1.0}>() \n" \
          "a = Add(e, o) \n m = Mul(x, a) \n h = Constant<value=float {0.5}>() \n y = Mul(m, h)"
@@ -37,14 +35,9 @@ def model(body: str, opset: int = 17, prologue: str = "x = Identity(x_in)"):
 
 
 def rewrite(source, spec: str = "fuse-gelu", inputs=None):
-    ir = load_model(source)
-    result = PassManager(parse_pipeline(spec), RunConfig(verify=True, strict=True, inputs=inputs),
-                         context=PassContext(verbose=True)).run(ir)
-    return ir, result.records[-1]
+    return run_strictly(source, spec, inputs)
 
-
-def ops(ir) -> Counter:
-    return Counter(n.op for n in ir.graph.nodes)
+ops = op_counts
 
 
 @pytest.mark.parametrize("body, approximate", [

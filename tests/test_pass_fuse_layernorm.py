@@ -10,11 +10,9 @@ import onnx.parser
 import pytest
 
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.ir import load_model, to_model_bytes
-from qnnpasses.manager import PassManager, RunConfig
+from pass_testing import op_counts, run_strictly
+from qnnpasses.ir import to_model_bytes
 from qnnpasses.numerics import compare_outputs, run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
 
 G = "{" + ",".join(str(0.5 + 0.01 * i) for i in range(64)) + "}"
 B = "{" + ",".join(str(0.1 - 0.002 * i) for i in range(64)) + "}"
@@ -39,14 +37,9 @@ def model(body: str, opset: int = 16, shape: str = "1,8,64"):
 
 
 def rewrite(source, spec: str = "fuse-layernorm", inputs=None):
-    ir = load_model(source)
-    result = PassManager(parse_pipeline(spec), RunConfig(verify=True, strict=True, inputs=inputs),
-                         context=PassContext(verbose=True)).run(ir)
-    return ir, result.records[-1]
+    return run_strictly(source, spec, inputs)
 
-
-def ops(ir) -> Counter:
-    return Counter(n.op for n in ir.graph.nodes)
+ops = op_counts
 
 
 def test_torch_opset16_export_becomes_layernormalization_at_opset_17():

@@ -11,6 +11,7 @@ import onnx.parser
 import pytest
 
 from conftest import FIXTURE_NAMES, LLAMA_FAMILY, fixture_inputs, fixture_outputs, fixture_path, requires_htp
+from pass_testing import op_counts, run_strictly
 from qnnpasses.ir import load_model, save_model
 from qnnpasses.manager import PassManager, RunConfig
 from qnnpasses.numerics import compare_outputs, run_cpu
@@ -22,14 +23,9 @@ W8 = "{" + ",".join(str(0.5 + 0.1 * i) for i in range(8)) + "}"
 
 
 def rewrite(model, spec: str = "fuse-rmsnorm", inputs=None):
-    """Run ``spec`` through the pass manager (checked, verified on CPU, strict) -> (ir, record)."""
-    ir = load_model(model)
-    result = PassManager(parse_pipeline(spec), RunConfig(verify=True, strict=True, inputs=inputs)).run(ir)
-    return ir, result.records[-1]
+    return run_strictly(model, spec, inputs)
 
-
-def ops(ir) -> Counter:
-    return Counter(n.op for n in ir.graph.nodes)
+ops = op_counts
 
 
 def parse(opset: int, signature: str, body: str, ir_version: int = 8):
