@@ -135,12 +135,16 @@ def _slice_range(node: gs.Node, source: gs.Tensor, n: int) -> list[tuple[gs.Tens
     return None
 
 
+def _projections(ir: IRModel):
+    """``(node, projection)`` for every node that ends a constant-weight projection (None if not one)."""
+    for node in list(ir.graph.nodes):
+        if node.op in ("MatMul", "Gemm", "Add") and node.outputs:
+            yield node, projection_of(ir.graph, node.outputs[0])
+
+
 def rewrite_split_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -> int:
     done = 0
-    for node in list(ir.graph.nodes):
-        if node.op not in ("MatMul", "Gemm", "Add") or not node.outputs:
-            continue
-        proj = projection_of(ir.graph, node.outputs[0])
+    for node, proj in _projections(ir):
         out = node.outputs[0]
         if proj is None or static_shape(out) is None or out in ir.graph.outputs or not out.outputs:
             continue
@@ -191,10 +195,7 @@ def _head_major(chain: list[gs.Node], p_shape: tuple, opset: int) -> tuple[int, 
 
 def rewrite_head_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -> int:
     done = 0
-    for node in list(ir.graph.nodes):
-        if node.op not in ("MatMul", "Gemm", "Add") or not node.outputs:
-            continue
-        proj = projection_of(ir.graph, node.outputs[0])
+    for node, proj in _projections(ir):
         p_shape = static_shape(node.outputs[0])
         if proj is None or p_shape is None:
             continue
