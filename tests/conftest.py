@@ -34,7 +34,7 @@ def fixture_config(name: str) -> dict:
 
 def htp_backend_available() -> bool:
     try:
-        from qnnpasses.htp import htp_available
+        from qnnpasses.backends.htp import htp_available
     except ImportError:
         return False
     return htp_available()

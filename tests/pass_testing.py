@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from qnnpasses.ir import load_model
-from qnnpasses.manager import PassManager, PassRecord, RunConfig
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.ir.load import load_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, PassRecord, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 
 def run_strictly(source, spec: str, inputs=None, calibration=None) -> tuple:

@@ -10,14 +10,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import LLAMA_FAMILY, fixture_config, fixture_inputs, fixture_path
 from onnx import TensorProto, helper
 
-from conftest import LLAMA_FAMILY, fixture_config, fixture_inputs, fixture_path
 from qnnpasses.analysis import analyze, run_analysis
 from qnnpasses.analysis.activations import ORDERS, evaluate
 from qnnpasses.analysis.graph import build_view
 from qnnpasses.cli import main
-from qnnpasses.ir import load_model
+from qnnpasses.ir.load import load_model
 
 LLAMAS = [n for n in LLAMA_FAMILY if n.startswith("llama")]
 

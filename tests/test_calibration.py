@@ -12,8 +12,15 @@ import pytest
 from conftest import fixture_path
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import load_model
-from qnnpasses.quant.calibration import LABELS, CalibrationData, InputSpec, load_data, model_inputs, write_input_list
+from qnnpasses.ir.load import load_model
+from qnnpasses.quant.calibration import (
+    LABELS,
+    CalibrationData,
+    InputSpec,
+    load_data,
+    model_inputs,
+    write_input_list,
+)
 from qnnpasses.quant.data import token_windows
 
 SPECS = [InputSpec("input_ids", np.dtype(np.int64), (1, 8)), InputSpec("attention_mask", np.dtype(np.int64), (1, 8))]

@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from conftest import fixture_inputs, fixture_path
 from onnx import TensorProto, helper
 
-from conftest import fixture_inputs, fixture_path
+from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.cli import main
-from qnnpasses.numerics import run_cpu
 
 GOOD = "llama_gqa_ts"
 
@@ -161,7 +161,7 @@ def test_output_may_not_overwrite_input(tmp_path, capsys):
 def test_strict_rollback_exits_1_and_writes_no_output(tmp_path, capsys):
     plugin = tmp_path / "wrong.py"
     plugin.write_text(
-        "from qnnpasses.pass_api import Pass, PassResult, register_pass\n"
+        "from qnnpasses.passmanager.api import Pass, PassResult, register_pass\n"
         "@register_pass\n"
         "class Wrong(Pass):\n"
         "    name = 'test-cli-wrong'\n"
@@ -197,7 +197,7 @@ def test_run_writes_model_report_and_ir_dumps(tmp_path, capsys):
     np.testing.assert_allclose(run_cpu(out, inputs)["logits"], run_cpu(fixture_path(GOOD), inputs)["logits"], atol=1e-4)
     assert "pass" in stdout  # the per-pass table
     metadata = {p.key: p.value for p in onnx.load(out).metadata_props}
-    assert metadata["qnnpasses.pipeline"] == report["pipeline"]
+    assert metadata["qnnpasses.passmanager.spec"] == report["pipeline"]
 
 
 def test_console_script_runs_in_a_fresh_process(tmp_path):

@@ -7,13 +7,18 @@ import json
 import numpy as np
 import onnx
 import pytest
+from conftest import fixture_inputs, fixture_path, requires_htp
 from onnx import numpy_helper
 
-from conftest import fixture_inputs, fixture_path, requires_htp
-from qnnpasses import compare as compare_mod
 from qnnpasses.cli import main
-from qnnpasses.compare import align_sentinels, bisect, compare_models, is_quantized
-from qnnpasses.ir import load_model
+from qnnpasses.debug import compare as compare_mod
+from qnnpasses.debug.compare import (
+    align_sentinels,
+    bisect,
+    compare_models,
+    is_quantized,
+)
+from qnnpasses.ir.load import load_model
 
 GOOD = "llama_gqa_ts"
 
@@ -137,7 +142,7 @@ def test_qdq_models_run_on_htp_in_integer_mode(monkeypatch):
         seen.update(kw)
         return {}
 
-    monkeypatch.setattr("qnnpasses.htp.run_on_htp", fake_run_on_htp)
+    monkeypatch.setattr("qnnpasses.backends.htp.run_on_htp", fake_run_on_htp)
     proto = onnx.parser.parse_model("""
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[4] x) => (float[4] y) { q = QuantizeLinear(x, s, z)  y = DequantizeLinear(q, s, z) }""")

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import onnx
 import pytest
-
 from conftest import fixture_inputs, fixture_path, requires_htp
+
 from qnnpasses.cli import main as cli_main
 from qnnpasses.handoff.compile import compile_and_verify
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 pytestmark = requires_htp
 

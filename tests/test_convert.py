@@ -11,8 +11,8 @@ import stat
 from pathlib import Path
 
 import numpy as np
-
 from conftest import fixture_inputs, fixture_path
+
 from qnnpasses.cli import main as cli_main
 from qnnpasses.handoff.inputs import read_samples
 

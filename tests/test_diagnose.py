@@ -12,7 +12,7 @@ import onnx.parser
 import pytest
 from conftest import fixture_path, requires_htp
 
-from qnnpasses.diagnose import (
+from qnnpasses.debug.diagnose import (
     bisect_failure,
     diagnose,
     failure_kind,
@@ -102,10 +102,11 @@ def test_llama_gqa_dynamo_culprit_is_the_constant_first_norm_weight_mul(llama_di
 @requires_htp
 def test_the_fix_lint_names_makes_the_model_compile(tmp_path):
     """``simplify`` (operands swapped) turns the same model into one the HTP compiles."""
-    from qnnpasses.htp import probe_placement
-    from qnnpasses.ir import load_model, save_model
-    from qnnpasses.manager import PassManager
-    from qnnpasses.pipeline import parse_pipeline
+    from qnnpasses.backends.htp import probe_placement
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.passmanager.manager import PassManager
+    from qnnpasses.passmanager.spec import parse_pipeline
 
     ir = load_model(fixture_path("llama_gqa_dynamo"))
     PassManager(parse_pipeline("simplify{use_onnxsim=false}")).run(ir)

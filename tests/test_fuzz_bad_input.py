@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from qnnpasses.cli import main
-from qnnpasses.ir import load_model
+from qnnpasses.ir.load import load_model
 
 FIXTURES = ("llama_gqa_ts", "gpt2_ts", "bert_dynamo", "llama_gqa_kv_dynamo")
 _EXAMPLES = int(os.environ.get("QNNPASSES_FUZZ_EXAMPLES", "0"))

@@ -14,12 +14,20 @@ import json
 
 import numpy as np
 import pytest
+from conftest import (
+    FIXTURE_NAMES,
+    MANIFEST,
+    fixture_inputs,
+    fixture_outputs,
+    fixture_path,
+    requires_htp,
+)
 
-from conftest import FIXTURE_NAMES, MANIFEST, fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import adapt_inputs, cosine_similarity, run_cpu
-from qnnpasses.pipelines import get_pipeline
+from qnnpasses.backends.cpu import adapt_inputs, cosine_similarity, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.named import get_pipeline
 
 DYNAMIC = sorted(MANIFEST.get("dynamic_fixtures", {}))
 
@@ -55,7 +63,7 @@ def test_pipeline_is_lossless_on_cpu(name, tmp_root):
 @requires_htp
 @pytest.mark.parametrize("name", FIXTURE_NAMES + DYNAMIC)
 def test_pipeline_output_runs_entirely_on_htp(name, tmp_root):
-    from qnnpasses.htp import htp_session, parse_profile
+    from qnnpasses.backends.htp import htp_session, parse_profile
 
     path, _ = _pipeline_output(name, tmp_root)
     inputs = adapt_inputs(load_model(path), fixture_inputs(name))

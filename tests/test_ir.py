@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-
 from conftest import fixture_inputs, fixture_path
-from qnnpasses.canonical import canonical_text
+
+from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import ExternalValues, load_model, save_model
-from qnnpasses.numerics import run_cpu
+from qnnpasses.ir.canonical import canonical_text
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import ExternalValues, save_model
 
 ROUND_TRIP_FIXTURES = ["llama_gqa_ts", "llama_gqa_dynamo", "bert_ts", "gpt2_dynamo"]
 
@@ -108,7 +109,7 @@ def test_save_refuses_to_overwrite_the_input(tmp_path):
 
 def test_failed_save_leaves_no_partial_output(tmp_path, monkeypatch):
     ir = load_model(fixture_path("bert_ts"))
-    import qnnpasses.ir as ir_module
+    import qnnpasses.ir.model as ir_module
 
     def explode(*args, **kwargs):
         raise RuntimeError("disk full")

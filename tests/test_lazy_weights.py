@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir import DerivedValues, load_model, save_model
-from qnnpasses.manager import PassManager
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pipelines import get_pipeline
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import DerivedValues, save_model
+from qnnpasses.passmanager.manager import PassManager
+from qnnpasses.passmanager.named import get_pipeline
+from qnnpasses.passmanager.spec import parse_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from make_big_llm import LlamaShape, build  # noqa: E402

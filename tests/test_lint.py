@@ -298,7 +298,7 @@ def test_fixture_findings_match_what_the_passes_rewrite(fixture_reports):
 @requires_htp
 def test_error_findings_agree_with_the_real_htp():
     """No error: the model compiles on the HTP; the errors found are what makes it fail."""
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     for name, fails_with in (("llama_gqa_ts", None), ("phi3_ts", "QP005"), ("llama_gqa_dynamo", "QP006")):
         errors = {f.rule for f in lint_model(fixture_path(name)).findings if f.severity == "error"}

@@ -5,15 +5,29 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
-
 from conftest import fixture_inputs, fixture_outputs, fixture_path
+
+from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.errors import CheckFailedError
-from qnnpasses.instruments import IRDumpInstrument
-from qnnpasses.ir import load_model
-from qnnpasses.manager import CHANGED, ROLLED_BACK, SKIPPED, UNCHANGED, Instrument, PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import STATIC_SHAPES, Pass, PassContext, PassResult, register_pass
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.ir.load import load_model
+from qnnpasses.passmanager.api import (
+    STATIC_SHAPES,
+    Pass,
+    PassContext,
+    PassResult,
+    register_pass,
+)
+from qnnpasses.passmanager.instruments import IRDumpInstrument
+from qnnpasses.passmanager.manager import (
+    CHANGED,
+    ROLLED_BACK,
+    SKIPPED,
+    UNCHANGED,
+    Instrument,
+    PassManager,
+    RunConfig,
+)
+from qnnpasses.passmanager.spec import parse_pipeline
 
 FIXTURE = "bert_ts"
 

@@ -15,13 +15,13 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
+from conftest import fixture_path
 from onnx import TensorProto, helper
 from qnnpasses.op_support.checker import check_graph, check_node, summarize
 from qnnpasses.op_support.probe_models import ProbeSpec, build_model
 from qnnpasses.op_support.table import load_table
 
-from conftest import fixture_path
-from qnnpasses.htp import htp_available, parse_ep_log, probe_placement
+from qnnpasses.backends.htp import htp_available, parse_ep_log, probe_placement
 
 HOLDOUT = Path(__file__).resolve().parents[1] / "tools" / "probe_results" / "htp_holdout.jsonl"
 MIN_AGREEMENT = 0.95

@@ -13,10 +13,16 @@ from conftest import fixture_path
 from onnx import numpy_helper
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import load_model
+from qnnpasses.ir.load import load_model
 from qnnpasses.quant.data import token_windows
 from qnnpasses.quant.driver import quantize_model
-from qnnpasses.quant.overrides import SCHEMA_V1, build_overrides, encodings_from_qdq, read_overrides, write_overrides
+from qnnpasses.quant.overrides import (
+    SCHEMA_V1,
+    build_overrides,
+    encodings_from_qdq,
+    read_overrides,
+    write_overrides,
+)
 from qnnpasses.quant.policy import PrecisionPolicy
 
 MIXED = PrecisionPolicy(act="uint8", weights="int8", per_channel=True, sensitive_bits=16)

@@ -11,19 +11,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import fixture_path, requires_htp
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import fixture_path, requires_htp
+from qnnpasses.backends.cpu import make_inputs, run_cpu
 from qnnpasses.cli import main as cli_main
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import make_inputs, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
 from qnnpasses.partition import PartitionOptions, make_plan, write_partitions
 from qnnpasses.partition.check import check_plan, run_chain
 from qnnpasses.partition.graph import build_node_graph
 from qnnpasses.partition.regions import form_partitions
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 

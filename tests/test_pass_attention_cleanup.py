@@ -10,14 +10,24 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from conftest import fixture_inputs, fixture_outputs, requires_htp
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.passes.attention_cleanup import AttentionCleanup
-from test_pass_gqa_broadcast import HTP_PREFIX, apply, cosine, max_abs_vs, on_htp, ops, parse, prepared
+from onnx import TensorProto, helper, numpy_helper
+from qnnpasses.passes.attention.attention_cleanup import AttentionCleanup
+from test_pass_gqa_broadcast import (
+    HTP_PREFIX,
+    apply,
+    cosine,
+    max_abs_vs,
+    on_htp,
+    ops,
+    parse,
+    prepared,
+)
+
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext
 
 FMIN = float(np.finfo(np.float32).min)
 SIG = "g (float[1,2,4,8] q, float[1,2,4,8] k, float[1,2,4,8] v{extra}) => (float[1,2,4,8] y)"
@@ -204,7 +214,7 @@ def test_quantized_attention_on_htp_needs_a_finite_mask():
     from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-    from qnnpasses.htp import htp_session
+    from qnnpasses.backends.htp import htp_session
 
     rng = np.random.default_rng(0)
     calibration, test = [_block_feeds(rng) for _ in range(4)], _block_feeds(rng)

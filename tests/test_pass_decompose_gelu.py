@@ -7,11 +7,12 @@ import math
 import numpy as np
 import onnx.parser
 import pytest
-
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
 from pass_testing import op_counts, run_strictly
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.numerics import compare_outputs, run_cpu
+
+from qnnpasses.backends.cpu import compare_outputs, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
 
 X = {"x": np.linspace(-12.0, 12.0, 1024, dtype=np.float32).reshape(1, 16, 64)}
 BIAS = "{" + ",".join(str(0.05 * (i % 5) - 0.1) for i in range(64)) + "}"
@@ -79,7 +80,7 @@ def test_bert_dynamo_gelus_decompose_losslessly():
 @requires_htp
 @pytest.mark.parametrize("node", ["com.microsoft.FastGelu(x, b)", "com.microsoft.BiasGelu(x, b)"])
 def test_rejected_contrib_gelu_moves_to_the_htp(tmp_path, node):
-    from qnnpasses.htp import probe_placement, run_on_htp
+    from qnnpasses.backends.htp import probe_placement, run_on_htp
 
     raw_ir = load_model(gelu_model(node, opset=17, contrib=True))
     raw = save_model(raw_ir, tmp_path / "raw.onnx")

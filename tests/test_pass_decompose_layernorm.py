@@ -7,13 +7,14 @@ from collections import Counter
 import numpy as np
 import onnx.parser
 import pytest
-
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
 from pass_testing import op_counts, run_strictly
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import compare_outputs, cosine_similarity, run_cpu
-from qnnpasses.pipeline import parse_pipeline
+
+from qnnpasses.backends.cpu import compare_outputs, cosine_similarity, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 
 def layernorm(shape: list[int], axis: int, bias: bool = True, extra_outputs: bool = False):
@@ -85,7 +86,7 @@ def test_fixture_layernorms_are_all_htp_supported_so_nothing_changes(name):
 @requires_htp
 @pytest.mark.parametrize("shape, axis", [([1, 8, 64], 1), ([1, 2, 2, 4, 64], -1)], ids=["axis-1", "rank-5"])
 def test_rejected_layernorm_moves_to_the_htp(tmp_path, shape, axis):
-    from qnnpasses.htp import probe_placement, run_on_htp
+    from qnnpasses.backends.htp import probe_placement, run_on_htp
 
     raw_ir = load_model(layernorm(shape, axis))
     raw = save_model(raw_ir, tmp_path / "raw.onnx")

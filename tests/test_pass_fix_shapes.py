@@ -8,15 +8,21 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
-
 from conftest import FIXTURES, fixture_inputs, fixture_outputs, requires_htp
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.passes.fix_shapes import FixShapes
-from qnnpasses.pipeline import parse_pipeline
-from qnnpasses.shapes import DEFAULT_BATCH, DEFAULT_PAST, has_static_shapes, is_static
+from qnnpasses.passes.shapes.fix_shapes import FixShapes
+
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.ir.shapes import (
+    DEFAULT_BATCH,
+    DEFAULT_PAST,
+    has_static_shapes,
+    is_static,
+)
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 DYNAMIC = json.loads((FIXTURES / "manifest.json").read_text())["dynamic_fixtures"]
 # fix-shapes options that reproduce the shapes of each dynamic fixture's reference data
@@ -168,7 +174,7 @@ def test_other_shapes_match_the_dynamic_model():
 @requires_htp
 def test_fixed_dynamic_export_runs_in_one_htp_partition(tmp_path):
     """Before: 8 QNN partitions and ~200 CPU nodes (dynamic shapes); after: all on HTP."""
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     name = "llama_gqa_dyn_ts"
     before = probe_placement(FIXTURES / f"{name}.onnx", fixture_inputs(name), optimize=False)

@@ -9,15 +9,22 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+from conftest import (
+    LLAMA_FAMILY,
+    fixture_inputs,
+    fixture_outputs,
+    fixture_path,
+    requires_htp,
+)
 from onnx import numpy_helper
-
-from conftest import LLAMA_FAMILY, fixture_inputs, fixture_outputs, fixture_path, requires_htp
 from pass_testing import op_counts, run_strictly
-from qnnpasses.ir import load_model, save_model, to_model_bytes
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import compare_outputs, cosine_similarity, run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
+
+from qnnpasses.backends.cpu import compare_outputs, cosine_similarity, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model, to_model_bytes
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 NORM_PASSES = "fuse-rmsnorm,fuse-layernorm,fuse-gelu,fp16-safety"
 RMS = ("two = Constant<value=float {2.0}>() \n p = Pow(x, two) \n m = ReduceMean<axes=[-1]>(p) \n"
@@ -143,7 +150,7 @@ def test_static_rule_finds_every_llama_norm_in_the_residual_stream():
 
 @requires_htp
 def test_massive_activation_llama_garbage_on_htp_before_and_right_after(tmp_path):
-    from qnnpasses.htp import probe_placement, run_on_htp
+    from qnnpasses.backends.htp import probe_placement, run_on_htp
 
     feeds = fixture_inputs("llama_gqa_ts")
     raw = massive_llama(tmp_path / "massive.onnx")
@@ -164,7 +171,7 @@ def test_massive_activation_llama_garbage_on_htp_before_and_right_after(tmp_path
 def test_safe_form_holds_every_row_regime_on_htp_where_fixed_prescaling_does_not():
     """Rows with |x| ~ 30,000, ~1, ~0.01 and all-zero.  A fixed 1/256 pre-scale (the
     obvious fix) rescues the massive rows but flushes the small rows' squares to zero."""
-    from qnnpasses.htp import run_on_htp
+    from qnnpasses.backends.htp import run_on_htp
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 8, 64)).astype(np.float32)

@@ -7,11 +7,12 @@ from collections import Counter
 import onnx
 import onnx.parser
 import pytest
-
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
 from pass_testing import op_counts, run_strictly
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.numerics import compare_outputs, run_cpu
+
+from qnnpasses.backends.cpu import compare_outputs, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
 
 ERF_HF = "c = Constant<value=float {1.4142135}>() \n d = Div(x, c) \n e = Erf(d) \n o = Constant<value=float {1.0}>() \n" \
          "a = Add(e, o) \n m = Mul(x, a) \n h = Constant<value=float {0.5}>() \n y = Mul(m, h)"
@@ -103,7 +104,7 @@ def test_fixtures(name, fused):
 
 @requires_htp
 def test_erf_spelling_the_qnn_ep_misses_leaves_the_cpu_after_fusion(tmp_path):
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     raw_ir = load_model(model(ERF_HALF_FIRST))
     raw = save_model(raw_ir, tmp_path / "raw.onnx")
@@ -120,7 +121,7 @@ def test_erf_spelling_the_qnn_ep_misses_leaves_the_cpu_after_fusion(tmp_path):
 @pytest.mark.parametrize("name", ["bert_ts", "gpt2_ts", "bert_dynamo", "gpt2_dynamo"])
 def test_no_gelu_node_on_the_cpu_for_bert_and_gpt2(tmp_path, name):
     """Placement with onnxruntime's graph optimizations off: what the graph itself says."""
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     ir, _ = rewrite(fixture_path(name), inputs=fixture_inputs(name))
     placement = probe_placement(save_model(ir, tmp_path / "fused.onnx"), inputs=fixture_inputs(name), optimize=False)

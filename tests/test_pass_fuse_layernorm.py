@@ -8,11 +8,11 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
-
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
 from pass_testing import op_counts, run_strictly
-from qnnpasses.ir import to_model_bytes
-from qnnpasses.numerics import compare_outputs, run_cpu
+
+from qnnpasses.backends.cpu import compare_outputs, run_cpu
+from qnnpasses.ir.model import to_model_bytes
 
 G = "{" + ",".join(str(0.5 + 0.01 * i) for i in range(64)) + "}"
 B = "{" + ",".join(str(0.1 - 0.002 * i) for i in range(64)) + "}"
@@ -100,7 +100,7 @@ def test_fixture_roundtrip(name):
 def test_fused_layernorm_runs_on_htp_and_survives_massive_activations():
     """The QNN EP fuses the exact torch spelling itself, but not ``Mul(d, d)``, ``Reciprocal``
     or a missing beta (measured): such a LayerNorm stays decomposed and overflows in fp16."""
-    from qnnpasses.htp import run_on_htp
+    from qnnpasses.backends.htp import run_on_htp
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 8, 64)).astype(np.float32)

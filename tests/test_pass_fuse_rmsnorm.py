@@ -9,15 +9,23 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
-
-from conftest import FIXTURE_NAMES, LLAMA_FAMILY, fixture_inputs, fixture_outputs, fixture_path, requires_htp
+from conftest import (
+    FIXTURE_NAMES,
+    LLAMA_FAMILY,
+    fixture_inputs,
+    fixture_outputs,
+    fixture_path,
+    requires_htp,
+)
 from pass_testing import op_counts, run_strictly
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import compare_outputs, run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.passes._norm_opset import raise_opset
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.passes.norm._opset import raise_opset
+
+from qnnpasses.backends.cpu import compare_outputs, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 W8 = "{" + ",".join(str(0.5 + 0.1 * i) for i in range(8)) + "}"
 
@@ -177,7 +185,7 @@ def test_opset_raise_17_to_23_keeps_every_ts_fixture_bit_identical(name):
 
 @requires_htp
 def test_fused_llama_runs_entirely_on_htp_with_native_rmsnorm(tmp_path):
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     ir, _ = rewrite(fixture_path("llama_gqa_ts"), inputs=fixture_inputs("llama_gqa_ts"))
     path = save_model(ir, tmp_path / "fused.onnx")
@@ -191,7 +199,7 @@ def test_fused_llama_runs_entirely_on_htp_with_native_rmsnorm(tmp_path):
 @requires_htp
 def test_htp_rmsnorm_is_fp16_safe_for_massive_activations_where_the_decomposed_form_is_not():
     """The measurement behind the target choice: one channel at 30,000 in half the rows."""
-    from qnnpasses.htp import run_on_htp
+    from qnnpasses.backends.htp import run_on_htp
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 8, 64)).astype(np.float32)

@@ -6,11 +6,18 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
-
 from conftest import FIXTURE_NAMES, requires_htp
-from qnnpasses.ir import save_model
-from test_pass_layout import assert_same_outputs, max_abs_vs_reference, op_counts, run_passes, simplified_fixture, tiny_model
+from onnx import TensorProto, helper
+from test_pass_layout import (
+    assert_same_outputs,
+    max_abs_vs_reference,
+    op_counts,
+    run_passes,
+    simplified_fixture,
+    tiny_model,
+)
+
+from qnnpasses.ir.model import save_model
 
 DYNAMO = [n for n in FIXTURE_NAMES if n.endswith("_dynamo")]
 
@@ -79,7 +86,7 @@ def test_gathernd_on_fixture(name):
 @requires_htp
 @pytest.mark.parametrize("name", DYNAMO)
 def test_dynamo_fixture_runs_without_cpu_fallback(name, tmp_path):
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     ir, _ = run_passes(simplified_fixture(name), "gathernd")
     placement = probe_placement(save_model(ir, tmp_path / "model.onnx"))

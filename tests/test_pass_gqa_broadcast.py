@@ -13,13 +13,14 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
-
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.ir import load_model, save_model, to_model_bytes
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import registered_passes
-from qnnpasses.pipeline import parse_pipeline
+
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model, to_model_bytes
+from qnnpasses.passmanager.api import registered_passes
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 # What runs before the attention passes in htp-llm.  Before the HTP finalizes the dynamo
 # fixtures at all, other passes must also lower the padding-mask GatherND (bool GatherND is
@@ -69,7 +70,7 @@ def max_abs_vs(ir, outputs: dict, inputs: dict) -> float:
 
 def on_htp(ir, inputs: dict):
     """(placement, outputs) of ``ir`` on the HTP in fp16; outputs come from a no-CPU-fallback session."""
-    from qnnpasses.htp import htp_session, probe_placement
+    from qnnpasses.backends.htp import htp_session, probe_placement
 
     with tempfile.TemporaryDirectory(prefix="attn_htp_") as tmp:
         path = save_model(ir, Path(tmp) / "model.onnx")
@@ -170,7 +171,7 @@ def test_wrong_grouping_order_is_left_alone():
     body = TS_REPEAT.replace("Unsqueeze(k, ax2)", "Unsqueeze(k, ax1)").replace("Unsqueeze(v, ax2)", "Unsqueeze(v, ax1)")
     init = INIT.replace("int64[5] e5 = {1,2,2,8,16}", "int64[5] e5 = {1,2,2,8,16}, int64[1] ax1 = {1}")
     ir = parse(body, f"{SIG} {init}")
-    from qnnpasses.pass_api import PassContext
+    from qnnpasses.passmanager.api import PassContext
 
     result = PassManager(parse_pipeline("gqa-broadcast"), context=PassContext(verbose=True)).run(ir).records[-1]
     assert result.stats["rewritten"] == 0 and ops(ir)["Expand"] == 2

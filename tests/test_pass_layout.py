@@ -16,14 +16,22 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import (
+    FIXTURE_NAMES,
+    LLAMA_FAMILY,
+    fixture_inputs,
+    fixture_outputs,
+    fixture_path,
+    requires_htp,
+)
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import FIXTURE_NAMES, LLAMA_FAMILY, fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 CACHE = Path(tempfile.gettempdir()) / "qnnpasses_test_simplified"
 TOLERANCE = 1e-4
@@ -362,7 +370,7 @@ INDEX_CASES = [  # (op, attrs, x shape, constant inputs, opset)
 
 @pytest.mark.parametrize("op,attrs,shape,consts,opset", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
 def test_index_semantics_match_onnxruntime(op, attrs, shape, consts, opset):
-    from qnnpasses.passes._layout_index import apply_op
+    from qnnpasses.ir.index_map import apply_op
 
     names = [f"c{i}" for i in range(len(consts))]
     model = tiny_model([helper.make_node(op, ["x", *names], ["y"], **attrs)], [("x", list(shape))], [("y", None)],
@@ -387,7 +395,7 @@ def test_data_movement_passes_cut_the_composed_qnn_graph_of_llama_gqa_ts(tmp_pat
     """onnxsim -> rotary, gathernd, layout: at most 0.75x the ops of onnxslim's composed QNN graph."""
     import onnxslim
 
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     name = "llama_gqa_ts"
     slim = tmp_path / "slim.onnx"

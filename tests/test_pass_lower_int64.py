@@ -5,14 +5,22 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import (
+    FIXTURE_NAMES,
+    MANIFEST,
+    fixture_inputs,
+    fixture_outputs,
+    fixture_path,
+    requires_htp,
+)
 
-from conftest import FIXTURE_NAMES, MANIFEST, fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.checks import check_model
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import CHANGED, PassManager, RunConfig
-from qnnpasses.numerics import cosine_similarity, run_cpu
-from qnnpasses.pass_api import PassContext, get_pass
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.backends.cpu import cosine_similarity, run_cpu
+from qnnpasses.ir.checks import check_model
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext, get_pass
+from qnnpasses.passmanager.manager import CHANGED, PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 DYNAMIC_FIXTURES = sorted(MANIFEST.get("dynamic_fixtures", {}))
 # Ports whose int64 operand is a static parameter (shape, axes, slice bounds), not data.
@@ -242,7 +250,7 @@ def lowered_copy(name: str, tmp_path):
 @requires_htp
 @pytest.mark.parametrize("name", ["bert_dynamo", "llama_gqa_ts"])
 def test_lowered_fixture_runs_fully_on_the_htp(name, tmp_path):
-    from qnnpasses.htp import probe_placement, run_on_htp
+    from qnnpasses.backends.htp import probe_placement, run_on_htp
 
     inputs = fixture_inputs(name)
     path = lowered_copy(name, tmp_path)
@@ -254,7 +262,7 @@ def test_lowered_fixture_runs_fully_on_the_htp(name, tmp_path):
 
 @requires_htp
 def test_int32_inputs_drop_the_eps_own_input_casts(tmp_path):
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     name = "llama_gqa_ts"
     inputs = fixture_inputs(name)

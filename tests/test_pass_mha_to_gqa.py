@@ -6,17 +6,25 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
-
 from conftest import fixture_inputs, requires_htp
-from qnnpasses.checks import check_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.passes._attention import find_attentions
-from qnnpasses.passes._attention_proj import find_head_split, find_projection
-from qnnpasses.pipeline import parse_pipeline
-from qnnpasses.rewrite import constant_value
-from test_pass_gqa_broadcast import HTP_PREFIX, apply, cosine, on_htp, ops, parse, prepared
+from qnnpasses.passes.attention._match import find_attentions
+from qnnpasses.passes.attention._proj import find_head_split, find_projection
+from test_pass_gqa_broadcast import (
+    HTP_PREFIX,
+    apply,
+    cosine,
+    on_htp,
+    ops,
+    parse,
+    prepared,
+)
+
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.checks import check_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.rewrite import constant_value
+from qnnpasses.passmanager.spec import parse_pipeline
 
 S, E, H, D = 8, 64, 4, 16
 RNG = np.random.default_rng(0)

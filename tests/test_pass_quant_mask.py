@@ -7,15 +7,16 @@ import numpy as np
 import onnx
 import pytest
 from conftest import fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.passes.quant_mask import QuantMask, row_spread
+from qnnpasses.passes.attention.quant_mask import QuantMask, row_spread
 
-from qnnpasses.ir import IRModel, load_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import parse_pipeline
-from qnnpasses.pipelines import get_pipeline
-from qnnpasses.rewrite import constant_value
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.named import get_pipeline
+from qnnpasses.passmanager.rewrite import constant_value
+from qnnpasses.passmanager.spec import parse_pipeline
 
 CAUSAL = ",".join("1" if j <= i else "0" for i in range(4) for j in range(4))
 ATTENTION = """

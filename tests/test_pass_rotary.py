@@ -7,11 +7,24 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
+from conftest import (
+    FIXTURE_NAMES,
+    LLAMA_FAMILY,
+    fixture_inputs,
+    fixture_outputs,
+    requires_htp,
+)
 from onnx import helper
+from test_pass_layout import (
+    assert_same_outputs,
+    max_abs_vs_reference,
+    op_counts,
+    run_passes,
+    simplified_fixture,
+    tiny_model,
+)
 
-from conftest import FIXTURE_NAMES, LLAMA_FAMILY, fixture_inputs, fixture_outputs, requires_htp
-from qnnpasses.ir import save_model
-from test_pass_layout import assert_same_outputs, max_abs_vs_reference, op_counts, run_passes, simplified_fixture, tiny_model
+from qnnpasses.ir.model import save_model
 
 SHAPE = [1, 2, 5, 8]
 BIG = np.iinfo(np.int64).max
@@ -102,8 +115,8 @@ def test_rotary_on_fixture(name):
 
 @requires_htp
 def test_rotary_on_htp_fewer_ops_same_fp16_numerics(tmp_path):
-    from qnnpasses.htp import probe_placement, run_on_htp
-    from qnnpasses.numerics import cosine_similarity
+    from qnnpasses.backends.cpu import cosine_similarity
+    from qnnpasses.backends.htp import probe_placement, run_on_htp
 
     name = "llama_gqa_ts"
     ir, _ = run_passes(simplified_fixture(name), "rotary")

@@ -10,15 +10,22 @@ import onnx
 import onnx.parser
 import onnx_graphsurgeon as gs
 import pytest
+from conftest import (
+    FIXTURE_NAMES,
+    fixture_inputs,
+    fixture_outputs,
+    fixture_path,
+    requires_htp,
+)
+from qnnpasses.passes.fold import _onnxsim as _fold_onnxsim
+from qnnpasses.passes.fold.simplify import Simplify
 
-from conftest import FIXTURE_NAMES, fixture_inputs, fixture_outputs, fixture_path, requires_htp
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.numerics import run_cpu
-from qnnpasses.pass_api import PassContext
-from qnnpasses.passes import _fold_onnxsim
-from qnnpasses.passes.simplify import Simplify
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.backends.cpu import run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 MODES = pytest.mark.parametrize("use_onnxsim", [True, False], ids=["onnxsim", "own"])
 TS = [n for n in FIXTURE_NAMES if n.endswith("_ts")]
@@ -200,7 +207,7 @@ def test_onnxsim_trouble_falls_back_to_own_folding(fake_worker, script, reason):
 
 def test_own_folding_infers_shapes_once_per_sweep_not_per_node(monkeypatch):
     """Linear cost: whole-model shape inference runs a bounded number of times."""
-    import qnnpasses.passes.simplify as simplify_module
+    import qnnpasses.passes.fold.simplify as simplify_module
 
     calls = []
     real = simplify_module.check_model
@@ -247,7 +254,7 @@ def test_both_folders_agree_on_every_ts_fixture():
 def test_simplify_puts_the_exports_on_the_htp(tmp_path, name, before_ok):
     """TorchScript: 6 partitions / 30 CPU nodes -> 1 / 0.  Dynamo: finalize failure (Mul(weight, x))
     -> runs, with only the padding-mask GatherND on the CPU (lower-int64 handles that)."""
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     before = probe_placement(fixture_path(name), fixture_inputs(name), optimize=False)
     ir = load_model(fixture_path(name))

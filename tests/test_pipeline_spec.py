@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from qnnpasses.errors import PipelineSpecError
-from qnnpasses.pass_api import Pass, PassResult, register_pass
-from qnnpasses.pipeline import Repeat, parse_pipeline
+from qnnpasses.passmanager.api import Pass, PassResult, register_pass
+from qnnpasses.passmanager.spec import Repeat, parse_pipeline
 
 
 @register_pass

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from conftest import fixture_inputs, fixture_path
-from qnnpasses.numerics import run_cpu
+
+from qnnpasses.backends.cpu import run_cpu
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plugin"
 PLUGIN_FILE = EXAMPLE / "qnnpasses_example_plugin" / "__init__.py"

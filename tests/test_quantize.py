@@ -13,14 +13,19 @@ from conftest import fixture_path, requires_htp
 from onnx import numpy_helper
 
 from qnnpasses.cli import main as cli
-from qnnpasses.ir import load_model
-from qnnpasses.manager import PassManager
-from qnnpasses.pipelines import get_pipeline
+from qnnpasses.ir.load import load_model
+from qnnpasses.passmanager.manager import PassManager
+from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
 from qnnpasses.quant.data import token_windows
 from qnnpasses.quant.driver import PIPELINE_KEY, QUANT_KEY, quantize_model
 from qnnpasses.quant.evaluate import evaluate, next_token_nll
-from qnnpasses.quant.policy import PrecisionPolicy, find_sensitive, kv_tensors, make_plan
+from qnnpasses.quant.policy import (
+    PrecisionPolicy,
+    find_sensitive,
+    kv_tensors,
+    make_plan,
+)
 
 LLAMA = "llama_gqa_ts"
 MIXED = PrecisionPolicy(act="uint8", weights="int8", per_channel=True, sensitive_bits=16)

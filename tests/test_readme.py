@@ -8,9 +8,9 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from qnnpasses.ir import load_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.pipeline import parse_pipeline
+from qnnpasses.ir.load import load_model
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.spec import parse_pipeline
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -11,11 +11,18 @@ import pytest
 from conftest import fixture_path, requires_htp
 
 from qnnpasses.cli import main as cli
-from qnnpasses.ir import load_model
+from qnnpasses.ir.load import load_model
 from qnnpasses.quant import sweep as sweep_module
 from qnnpasses.quant.data import token_windows
 from qnnpasses.quant.policy import PrecisionPolicy
-from qnnpasses.quant.sweep import Cell, SweepResult, chart, grid, markdown, write_outputs
+from qnnpasses.quant.sweep import (
+    Cell,
+    SweepResult,
+    chart,
+    grid,
+    markdown,
+    write_outputs,
+)
 
 
 def test_grid_is_weights_x_activations_x_sensitive_after_the_uniform_baseline():

@@ -85,9 +85,10 @@ def pass_seconds(report_dir: Path) -> dict[str, float]:
 
 def profile(model: Path, out: Path, pipeline: str, top: int = 25) -> str:
     """cProfile of load + pipeline + save in this process: the functions that dominate."""
-    from qnnpasses.ir import load_model, save_model
-    from qnnpasses.manager import PassManager
-    from qnnpasses.pipelines import get_pipeline
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.passmanager.manager import PassManager
+    from qnnpasses.passmanager.named import get_pipeline
 
     profiler = cProfile.Profile()
     profiler.enable()

@@ -2,7 +2,7 @@
 ``qnn_preprocess_model``, and ``qnnpasses run --pipeline htp-llm``.
 
 For every fixture and variant it reports, from one verbose, profiled session in a
-child process (``qnnpasses.htp.probe_placement``): whether the model finalizes and
+child process (``qnnpasses.backends.htp.probe_placement``): whether the model finalizes and
 runs, the number of QNN partitions and CPU nodes, the op count of the composed QNN
 graph and how many of those ops only move data, and the cosine of the HTP (fp16)
 outputs against the fp32 CPU reference.
@@ -79,9 +79,10 @@ def _ort_preprocess(src: Path, dst: Path) -> None:
 
 
 def _htp_llm(src: Path, dst: Path) -> None:
-    from qnnpasses.ir import load_model, save_model
-    from qnnpasses.manager import PassManager
-    from qnnpasses.pipelines import get_pipeline
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.passmanager.manager import PassManager
+    from qnnpasses.passmanager.named import get_pipeline
 
     ir = load_model(src)
     PassManager(get_pipeline("htp-llm")).run(ir)
@@ -110,7 +111,7 @@ def _inputs_for(model_path: Path, fixture: str) -> dict[str, np.ndarray]:
 
 
 def _cosine(work: Path, fixture: str) -> float | None:
-    from qnnpasses.numerics import cosine_similarity
+    from qnnpasses.backends.cpu import cosine_similarity
 
     outputs = work / "outputs.npz"
     if not outputs.exists():
@@ -120,7 +121,7 @@ def _cosine(work: Path, fixture: str) -> float | None:
 
 
 def measure(fixture: str, variant: str, tmp: Path) -> Row:
-    from qnnpasses.htp import probe_placement
+    from qnnpasses.backends.htp import probe_placement
 
     src = FIXTURES / f"{fixture}.onnx"
     dst = tmp / f"{fixture}.{variant}.onnx"
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    from qnnpasses.htp import htp_available
+    from qnnpasses.backends.htp import htp_available
 
     if not htp_available():
         print("onnxruntime-qnn's HTP backend is not available", file=sys.stderr)

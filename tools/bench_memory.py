@@ -212,9 +212,10 @@ def load_save_argv(model: Path, out: Path, external: bool) -> list[str]:
 
 def trace_passes(model: str, out: str, pipeline: str) -> dict:
     """In this process: RSS after loading, after every pass, after saving (the ``--trace`` child)."""
-    from qnnpasses.ir import load_model, save_model
-    from qnnpasses.manager import Instrument, PassManager
-    from qnnpasses.pipelines import get_pipeline
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.passmanager.manager import Instrument, PassManager
+    from qnnpasses.passmanager.named import get_pipeline
 
     rows = []
 
@@ -243,7 +244,7 @@ def _constant_kinds(ir) -> dict:
     import numpy as np
     from onnx_graphsurgeon.ir.tensor import LazyValues
 
-    from qnnpasses.ir import _constants_with_attributes
+    from qnnpasses.ir.model import _constants_with_attributes
 
     kinds = {"lazy_mb": 0.0, "mapped_mb": 0.0, "in_memory_mb": 0.0}
     for graph in ir.graphs():

@@ -120,7 +120,7 @@ def sample(names: list[str], n: int | None, seed: int) -> list[str]:
 
 
 def default_targets(pipeline: str | None = DEFAULT_PIPELINE) -> list[str]:
-    from qnnpasses.pass_api import registered_passes
+    from qnnpasses.passmanager.api import registered_passes
 
     passes = [name for name in registered_passes() if not name.startswith("test-")]
     return [BASELINE, *passes] + ([f"pipeline:{pipeline}"] if pipeline else [])
@@ -280,7 +280,8 @@ class CaseRunner:
 
     def _run(self, target: str, result: dict[str, Any]) -> None:
         from qnnpasses.errors import BadInputError
-        from qnnpasses.ir import load_model, save_model
+        from qnnpasses.ir.load import load_model
+        from qnnpasses.ir.model import save_model
 
         try:
             ir = load_model(self.model)
@@ -312,9 +313,9 @@ class CaseRunner:
             result["outcome"] = "unchanged"
 
     def _manage(self, target: str, ir) -> tuple[list[dict], bool]:
-        from qnnpasses.manager import PassManager, RunConfig
-        from qnnpasses.pipeline import Pipeline, parse_pipeline
-        from qnnpasses.pipelines import get_pipeline
+        from qnnpasses.passmanager.manager import PassManager, RunConfig
+        from qnnpasses.passmanager.named import get_pipeline
+        from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 
         if target == BASELINE:
             return [], False
@@ -364,7 +365,7 @@ def _worker(conn, cache: str, timeout: float) -> None:
     from onnx_graphsurgeon.logger import G_LOGGER
 
     G_LOGGER.severity = G_LOGGER.CRITICAL  # its warnings about odd dtypes are not findings
-    from qnnpasses.pass_api import registered_passes
+    from qnnpasses.passmanager.api import registered_passes
 
     registered_passes()  # import every pass module once, not inside the first case's timeout
     while True:

@@ -6,7 +6,7 @@
     python tools/probe_htp.py --suite build --only Softmax,Gather --out /tmp/x.jsonl
 
 Each probe is one ONNX model with one node (see ``tools/probe_catalog.py``), run through
-:func:`qnnpasses.htp.probe_placement` in fp16 mode with onnxruntime's own graph
+:func:`qnnpasses.backends.htp.probe_placement` in fp16 mode with onnxruntime's own graph
 optimizations off (so the EP sees the node as written: no constant folding of Shape or
 Range, no fusion).  The record is the probe spec plus ``verdict`` — ``htp`` (the EP took
 the node and the graph finalized and ran), ``cpu`` (the EP rejected it; it falls back to
@@ -37,7 +37,7 @@ from qnnpasses.op_support.probe_models import (
     node_name,
 )
 
-from qnnpasses.htp import htp_available, probe_placement
+from qnnpasses.backends.htp import htp_available, probe_placement
 
 RESULTS_DIR = Path(__file__).resolve().parent / "probe_results"
 REASON_LIMIT = 200

@@ -408,7 +408,7 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def make_session(model_path: str | os.PathLike, on: str) -> Any:
     """An onnxruntime session on the CPU EP, or on the QNN HTP backend in fp16 mode."""
     if on == "htp":
-        from qnnpasses.htp import htp_session
+        from qnnpasses.backends.htp import htp_session
 
         return htp_session(os.fspath(model_path), fp16=True)
     import onnxruntime as ort

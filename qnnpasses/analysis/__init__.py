@@ -18,7 +18,7 @@ from qnnpasses.analysis.graph import GraphView, build_view
 from qnnpasses.analysis.kv_cache import analyze_kv_cache
 from qnnpasses.analysis.weights import analyze_weights
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import IRModel
+from qnnpasses.ir.model import IRModel
 
 __all__ = ["DEFAULT_RIDGE", "SCHEDULES", "MemoryTrace", "analyze", "run_analysis"]
 

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.analysis.graph import GraphView
-from qnnpasses.ir import const_nbytes
+from qnnpasses.ir.model import const_nbytes
 
 #: Default ridge point in FLOPs/byte.  Hexagon HTP (v73) peaks at tens of TOPS on tens of
 #: GB/s of LPDDR5x, i.e. a few hundred ops/byte at int8 and fewer at fp16; 100 is a

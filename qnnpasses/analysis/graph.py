@@ -5,7 +5,7 @@ Sizes need concrete shapes for every intermediate tensor.  ONNX shape inference 
 some unknown in real exports (an ``Expand`` whose target shape is computed by
 ``Where``/``ConstantOfShape``, as TorchScript emits for masks and repeat_kv), so when the
 IR's shapes are incomplete we fix the inputs' symbolic dims (``--shape`` or
-:func:`qnnpasses.shapes.resolve_dim`) and infer again, with onnxruntime's symbolic shape
+:func:`qnnpasses.ir.shapes.resolve_dim`) and infer again, with onnxruntime's symbolic shape
 inference as the second opinion (it folds such shape arithmetic).  Tensors still unknown
 count as 0 bytes and are listed.
 
@@ -23,8 +23,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir import IRModel, iter_graphs
-from qnnpasses.shapes import is_static, resolve_dim
+from qnnpasses.ir.model import IRModel, iter_graphs
+from qnnpasses.ir.shapes import is_static, resolve_dim
 
 OTHER = "other"
 LAYER_RE = re.compile(r"(?:^|[./_:\s'])(?:layers?|h|blocks?|decoder_layers?)[._/](\d+)(?=$|[./_:\s'])")
@@ -195,7 +195,7 @@ def _resolved_shapes(ir: IRModel, overrides: dict[str, list[int]]) -> tuple[dict
 
 def _static_input_proto(ir: IRModel, overrides: dict[str, list[int]]) -> onnx.ModelProto:
     """The stubbed model with stubs as inputs and every graph input dim made concrete."""
-    from qnnpasses.checks import stubs_as_inputs
+    from qnnpasses.ir.checks import stubs_as_inputs
 
     proto = stubs_as_inputs(ir.to_proto()[0])
     declared = {t.name for t in ir.graph.inputs}

@@ -2,7 +2,7 @@
 
 Weights are every stored tensor: initializers plus the values of ``Constant`` nodes (both
 ship with the model), reported separately too.  Byte counts come from dtypes and shapes
-(:func:`qnnpasses.ir.const_nbytes`); no weight values are read.  A weight belongs to the
+(:func:`qnnpasses.ir.model.const_nbytes`); no weight values are read.  A weight belongs to the
 layer its name names (``model.layers.3.mlp...``), else to the layer of the nodes reading
 it when they all agree (``onnx::MatMul_551`` read by ``/model/layers.0/q_proj/MatMul``),
 else to "other" (embeddings, final norm, tied or shared tables).  The what-if sizes
@@ -19,7 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.analysis.graph import OTHER, dtype_name, layer_of, layer_sort_key
-from qnnpasses.ir import IRModel, const_nbytes, iter_graphs
+from qnnpasses.ir.model import IRModel, const_nbytes, iter_graphs
 
 WHAT_IF = {"at_fp16": 2.0, "at_int8": 1.0, "at_int4": 0.5}
 

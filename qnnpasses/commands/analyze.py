@@ -7,8 +7,8 @@ import json
 from qnnpasses.analysis import DEFAULT_RIDGE, run_analysis
 from qnnpasses.commands.common import parse_shape_args
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import load_model
-from qnnpasses.report import json_safe
+from qnnpasses.ir.load import load_model
+from qnnpasses.passmanager.report import json_safe
 
 
 def register(subparsers) -> None:

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from qnnpasses.errors import BackendUnavailableError, BadInputError
-from qnnpasses.ir import load_model
+from qnnpasses.ir.load import load_model
 
 
 def register(subparsers) -> None:
@@ -46,7 +46,7 @@ def main(args) -> int:
 
 def _add_real_placement(report: dict[str, Any], model_path: str) -> None:
     """Attach the backend's verdict per node and an agreement figure."""
-    from qnnpasses.htp import htp_available, probe_placement
+    from qnnpasses.backends.htp import htp_available, probe_placement
 
     if not htp_available():
         raise BackendUnavailableError("--real needs onnxruntime-qnn with a working QNN HTP backend")

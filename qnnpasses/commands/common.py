@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.pass_api import load_entry_point_plugins, load_plugin_file
+from qnnpasses.passmanager.api import load_entry_point_plugins, load_plugin_file
 
 
 def add_plugin_args(parser) -> None:

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from qnnpasses.analysis.text import table
-from qnnpasses.compare import TOLERANCES, bisect, compare_models
+from qnnpasses.debug.compare import TOLERANCES, bisect, compare_models
 from qnnpasses.errors import BadInputError, CheckFailedError
-from qnnpasses.report import json_safe
+from qnnpasses.passmanager.report import json_safe
 
 
 def register(subparsers) -> None:

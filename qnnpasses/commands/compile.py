@@ -31,10 +31,10 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
+    from qnnpasses.backends.cpu import check_inputs, load_inputs
+    from qnnpasses.backends.htp import htp_available
     from qnnpasses.handoff.compile import compile_and_verify
-    from qnnpasses.htp import htp_available
-    from qnnpasses.ir import load_model
-    from qnnpasses.numerics import check_inputs, load_inputs
+    from qnnpasses.ir.load import load_model
 
     if not htp_available():
         raise BackendUnavailableError("compile needs onnxruntime-qnn with a working QNN HTP backend")

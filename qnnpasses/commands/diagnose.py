@@ -23,8 +23,8 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from qnnpasses.diagnose import diagnose, render_text
-    from qnnpasses.htp import htp_available
+    from qnnpasses.backends.htp import htp_available
+    from qnnpasses.debug.diagnose import diagnose, render_text
 
     if args.timeout <= 0:
         raise BadInputError("--timeout must be a positive number of seconds")

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from qnnpasses.errors import BackendUnavailableError, BadInputError, CheckFailedError
-from qnnpasses.ir import load_model
+from qnnpasses.ir.load import load_model
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -71,7 +71,7 @@ def _options(args):
 
 
 def _placement(model: str):
-    from qnnpasses.htp import htp_available, probe_placement
+    from qnnpasses.backends.htp import htp_available, probe_placement
 
     if not htp_available():
         raise BackendUnavailableError("--real needs onnxruntime-qnn with a working QNN HTP backend")
@@ -82,7 +82,7 @@ def _placement(model: str):
 
 
 def main(args) -> int:
-    from qnnpasses.numerics import check_inputs, load_inputs, make_inputs
+    from qnnpasses.backends.cpu import check_inputs, load_inputs, make_inputs
     from qnnpasses.partition import make_plan, write_partitions
     from qnnpasses.partition.graph import build_node_graph
 

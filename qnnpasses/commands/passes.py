@@ -6,7 +6,11 @@ import dataclasses
 import typing
 
 from qnnpasses.commands.common import add_plugin_args, load_plugins
-from qnnpasses.pass_api import format_option_value, pass_origin, registered_passes
+from qnnpasses.passmanager.api import (
+    format_option_value,
+    pass_origin,
+    registered_passes,
+)
 
 
 def register(subparsers) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qnnpasses.commands.common import add_plugin_args, load_plugins
-from qnnpasses.pipelines import get_pipeline, named_pipelines
+from qnnpasses.passmanager.named import get_pipeline, named_pipelines
 
 
 def register(subparsers) -> None:

@@ -90,7 +90,7 @@ def main(args) -> int:
     if args.evaluate:
         report["evaluation"] = _evaluate(args, out, policy)
     if args.report:
-        from qnnpasses.report import json_safe
+        from qnnpasses.passmanager.report import json_safe
 
         Path(args.report).write_text(json.dumps(json_safe(report), indent=2))
     return 0
@@ -98,7 +98,7 @@ def main(args) -> int:
 
 def _evaluate(args, out: Path, policy: PrecisionPolicy) -> dict:
     """Scores of the output; with --kv-bits also of the same plan with the cache at activation width."""
-    from qnnpasses.ir import load_model
+    from qnnpasses.ir.load import load_model
     from qnnpasses.quant.calibration import CalibrationData, model_inputs
     from qnnpasses.quant.driver import quantize_model
     from qnnpasses.quant.evaluate import evaluate

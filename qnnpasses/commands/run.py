@@ -5,16 +5,24 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qnnpasses.backends.cpu import ATOL, MIN_COSINE, RTOL, check_inputs, load_inputs
 from qnnpasses.commands.common import add_plugin_args, load_plugins, parse_shape_args
 from qnnpasses.errors import BadInputError, CheckFailedError
-from qnnpasses.instruments import IRDumpInstrument, ProgressInstrument
-from qnnpasses.ir import load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig, RunResult
-from qnnpasses.numerics import ATOL, MIN_COSINE, RTOL, check_inputs, load_inputs
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import Pipeline, parse_pipeline
-from qnnpasses.pipelines import get_pipeline
-from qnnpasses.report import TABLE_HEADER, build_report, model_snapshot, op_histogram, pass_table_rows, write_report
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.instruments import IRDumpInstrument, ProgressInstrument
+from qnnpasses.passmanager.manager import PassManager, RunConfig, RunResult
+from qnnpasses.passmanager.named import get_pipeline
+from qnnpasses.passmanager.report import (
+    TABLE_HEADER,
+    build_report,
+    model_snapshot,
+    op_histogram,
+    pass_table_rows,
+    write_report,
+)
+from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 
 
 def register(subparsers) -> None:
@@ -84,7 +92,7 @@ def main(args) -> int:
         raise
 
     # lets later tools (quantize) see that the pipeline already ran, and which one
-    ir.metadata_props["qnnpasses.pipeline"] = pipeline.to_text()
+    ir.metadata_props["qnnpasses.passmanager.spec"] = pipeline.to_text()
     external = {"auto": None, "always": True, "never": False}[args.external_data]
     save_model(ir, args.output, external_data=external)
     report = build_report(input_path=args.model, output_path=args.output, pipeline_text=pipeline.to_text(),

@@ -30,7 +30,13 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from qnnpasses.quant.sweep import grid, markdown, run_sweep
 

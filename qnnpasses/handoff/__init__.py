@@ -24,9 +24,9 @@ def emit(ir_path: str | Path, out_dir: str | Path, calib: str | Path | None = No
     Returns ``{"package": <write_package report>, "compile": <compile_and_verify report>}``;
     the compile part is ``{"skipped": reason}`` when the HTP backend is not available.
     """
+    from qnnpasses.backends.htp import htp_available
     from qnnpasses.handoff.compile import compile_and_verify
     from qnnpasses.handoff.package import write_package
-    from qnnpasses.htp import htp_available
 
     out = Path(out_dir)
     report: dict[str, Any] = {"package": write_package(ir_path, out / "qnn_package", calib=calib,

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from qnnpasses.backends.cpu import cosine_similarity, make_inputs, run_cpu
 from qnnpasses.handoff.epcontext import compile_model, context_summary, timed_load
-from qnnpasses.ir import load_model
-from qnnpasses.numerics import cosine_similarity, make_inputs, run_cpu
+from qnnpasses.ir.load import load_model
 
 #: minimum cosine of the compiled model's outputs vs fp32 CPU, by precision.  fp16 is held to
 #: the fp16 tolerance; a QDQ model's error depends on its calibration data, so there the bar

@@ -38,7 +38,7 @@ CHILD_TIMEOUT = 900.0
 
 
 def _session(model: str, *, fp16: bool, config: dict[str, str] | None = None):
-    from qnnpasses.htp import htp_session
+    from qnnpasses.backends.htp import htp_session
 
     return htp_session(model, fp16=fp16, session_config=config)
 

@@ -32,7 +32,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import IRModel
+from qnnpasses.ir.model import IRModel
 
 INPUT_LIST = "input_list.txt"
 MANIFEST = "inputs.json"

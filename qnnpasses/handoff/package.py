@@ -15,7 +15,8 @@ from typing import Any
 from qnnpasses.errors import BadInputError
 from qnnpasses.handoff import inputs as inputs_mod
 from qnnpasses.handoff import sdk as sdk_mod
-from qnnpasses.ir import load_model, save_model
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
 
 OVERRIDES = "quant_overrides.json"
 _ENCODING_SECTIONS = ("activation_encodings", "param_encodings")

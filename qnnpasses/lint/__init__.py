@@ -16,7 +16,8 @@ from typing import Any
 
 import onnx
 
-from qnnpasses.ir import IRModel, load_model
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel
 from qnnpasses.lint.context import LintConfig, LintContext
 from qnnpasses.lint.registry import RULES, SEVERITIES, Finding, Rule, severity_rank
 

@@ -18,7 +18,7 @@ from typing import Any
 import networkx as nx
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir import IRModel
+from qnnpasses.ir.model import IRModel
 
 #: Folding without the onnxsim worker: same graph on every fixture, no 2-6 s start-up.
 SIMPLIFY = "simplify{use_onnxsim=false}"
@@ -143,7 +143,7 @@ class LintContext:
     def canonical(self) -> str:
         """The pipeline pattern rules run after: constant folding, after fixing symbolic input
         dims when there are any (several passes need static shapes)."""
-        from qnnpasses.shapes import has_static_shapes
+        from qnnpasses.ir.shapes import has_static_shapes
 
         return SIMPLIFY if has_static_shapes(self.graph) else f"fix-shapes,{SIMPLIFY}"
 
@@ -207,9 +207,9 @@ def _display(spec: str) -> str:
 
 
 def _run_on_copy(spec: str, start: IRModel, table: str) -> Rewrite:
-    from qnnpasses.manager import PassManager
-    from qnnpasses.pass_api import PassContext
-    from qnnpasses.pipeline import parse_pipeline
+    from qnnpasses.passmanager.api import PassContext
+    from qnnpasses.passmanager.manager import PassManager
+    from qnnpasses.passmanager.spec import parse_pipeline
 
     before = start
     after = start.copy()

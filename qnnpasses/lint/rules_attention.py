@@ -14,8 +14,8 @@ import numpy as np
 
 from qnnpasses.lint.context import LintContext
 from qnnpasses.lint.registry import ONNX_OPS_DOCS, Finding, Rule, rule
-from qnnpasses.passes._attention import find_guard
-from qnnpasses.rewrite import constant_value
+from qnnpasses.passes.attention._match import find_guard
+from qnnpasses.passmanager.rewrite import constant_value
 
 CLEANUP = "attention-cleanup"
 REPEAT_OPS = frozenset({"Expand", "Tile"})

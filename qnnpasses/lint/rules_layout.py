@@ -13,8 +13,8 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite, is_constant
 from qnnpasses.lint.registry import ONNX_OPS_DOCS, Finding, Rule, rule
-from qnnpasses.passes._fold_nops import COMMUTATIVE
-from qnnpasses.passes._norm_match import find_norms
+from qnnpasses.passes.fold._nops import COMMUTATIVE
+from qnnpasses.passes.norm._match import find_norms
 
 #: layout with only the families that cancel, merge or sink data movement.
 LAYOUT_CHAINS = "layout{identity=false,weights=false,split_proj=false,head_proj=false,rows2d=false,norm_axis=false}"

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from qnnpasses.ir.shapes import is_static
 from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite, is_constant
 from qnnpasses.lint.registry import Finding, Rule, rule
-from qnnpasses.shapes import is_static
 
 #: Below this the EP declines the whole model (onnxruntime has no layout transformer for it).
 MIN_EP_OPSET = 7

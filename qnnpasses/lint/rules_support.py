@@ -14,10 +14,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from qnnpasses.ir.shapes import symbolic_dims
 from qnnpasses.lint.context import SIMPLIFY, LintContext
 from qnnpasses.lint.registry import Finding, Rule, rule
 from qnnpasses.op_support import lookup
-from qnnpasses.shapes import symbolic_dims
 
 #: Pipelines tried, in order, as the fix of an unsupported node.
 FIXERS = (SIMPLIFY, "gathernd", "fuse-gelu", "decompose-gelu", "decompose-layernorm", "fuse-layernorm",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qnnpasses.ir import IRModel
+from qnnpasses.ir.model import IRModel
 from qnnpasses.partition.assign import CPU, HTP, assign
 from qnnpasses.partition.cost import CostModel, boundary_bytes, flops_of
 from qnnpasses.partition.extract import extract, save_partition

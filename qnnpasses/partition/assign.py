@@ -1,7 +1,7 @@
 """Which backend each node goes to: HTP when it is supported there, else the CPU.
 
 The verdict comes from the measured op-support table (:mod:`qnnpasses.op_support.checker`)
-or, with ``real``, from the QNN EP itself (:func:`qnnpasses.htp.probe_placement`, run with
+or, with ``real``, from the QNN EP itself (:func:`qnnpasses.backends.htp.probe_placement`, run with
 onnxruntime's graph optimizations off so that the nodes it judges are the graph's own);
 a node the backend did not report on keeps the table's verdict.  ``cpu_ops`` and
 ``cpu_nodes`` force nodes onto the CPU: progressive offload of an op that is supported
@@ -27,7 +27,7 @@ class Assignment:
 
 
 def assign(ng: NodeGraph, *, placement=None, cpu_ops=(), cpu_nodes=(), table: str = "htp") -> Assignment:
-    """Backend per (non-constant) node; ``placement`` is a :class:`qnnpasses.htp.Placement`."""
+    """Backend per (non-constant) node; ``placement`` is a :class:`qnnpasses.backends.htp.Placement`."""
     from qnnpasses.op_support.checker import check_graph
 
     results = check_graph(ng.ir.graph, table)

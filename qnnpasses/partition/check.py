@@ -4,7 +4,7 @@ Tensors pass between sub-models by name.  CPU partitions run on onnxruntime's CP
 provider with graph optimizations off (exactly what the graph says), so an all-CPU chain
 must reproduce the original to float rounding.  HTP partitions run on the real QNN HTP
 backend in fp16 (when ``on="htp"`` and the backend is available), so that chain is held to
-the fp16 tolerance of :data:`qnnpasses.compare.TOLERANCES`.
+the fp16 tolerance of :data:`qnnpasses.debug.compare.TOLERANCES`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from qnnpasses.numerics import compare_outputs, run_cpu
+from qnnpasses.backends.cpu import compare_outputs, run_cpu
 
 #: (atol, rtol, min_cosine) of the chained outputs by where HTP partitions ran.
 CHAIN_TOLERANCES = {"cpu": (1e-5, 1e-5, 0.99999), "htp": (1e-2, 1e-2, 0.999)}
@@ -39,7 +39,7 @@ def run_chain(plan, out_dir: str | Path, inputs: dict[str, np.ndarray], *, on: s
         feeds = {name: env[name] for name in part.inputs}
         path = Path(out_dir) / part.file
         if part.backend == "htp" and on == "htp":
-            from qnnpasses.htp import run_on_htp
+            from qnnpasses.backends.htp import run_on_htp
 
             outputs = run_on_htp(str(path), feeds)
         else:
@@ -52,7 +52,7 @@ def check_plan(plan, out_dir: str | Path, model_path: str | Path, inputs: dict[s
                on: str = "htp", reference: dict[str, np.ndarray] | None = None) -> ChainResult:
     """Chain the partitions and compare the model outputs with the original's on CPU."""
     if on == "htp":
-        from qnnpasses.htp import htp_available
+        from qnnpasses.backends.htp import htp_available
 
         if not htp_available():
             on = "cpu"

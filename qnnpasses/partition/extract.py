@@ -5,7 +5,7 @@ read; tensors it reads from other partitions (or the model's inputs) become its 
 inputs and tensors other partitions (or the model's outputs) need become its outputs,
 under their original names, so running the sub-models in plan order and passing tensors
 by name reproduces the model.  Weights are not copied: the copy shares the constants'
-lazily loaded values and :func:`qnnpasses.ir.save_model` streams them into each file.
+lazily loaded values and :func:`qnnpasses.ir.model.save_model` streams them into each file.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import IRModel, save_model
+from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.partition.graph import NodeGraph
 
 

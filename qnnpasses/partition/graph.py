@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.analysis.cost import node_flops
 from qnnpasses.analysis.graph import GraphView, build_view
-from qnnpasses.ir import IRModel, const_nbytes, iter_graphs
+from qnnpasses.ir.model import IRModel, const_nbytes, iter_graphs
 
 #: Ops onnxruntime never folds even when their inputs are constant.
 _NOT_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial"})

@@ -45,7 +45,7 @@ class InputSpec:
 
 
 def model_inputs(ir) -> list[InputSpec]:
-    """The graph inputs of an :class:`~qnnpasses.ir.IRModel` (static shapes required)."""
+    """The graph inputs of an :class:`~qnnpasses.ir.model.IRModel` (static shapes required)."""
     specs = []
     for tensor in ir.graph.inputs:
         shape = tuple(tensor.shape or ())

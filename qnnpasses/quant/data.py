@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from qnnpasses.compare import vocab_size
+from qnnpasses.debug.compare import vocab_size
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import IRModel, load_model
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel
 from qnnpasses.quant.calibration import LABELS, InputSpec, model_inputs
 
 #: Half of the token stream belongs to each part; windows never cross the middle.
@@ -86,7 +87,7 @@ def _plain_sample(specs: list[InputSpec], ids: InputSpec, window: np.ndarray) ->
 
 def _kv_sample(ir: IRModel, specs: list[InputSpec], window: np.ndarray, kv: list[InputSpec]) -> dict[str, np.ndarray]:
     """Run the decoder over ``window[:-2]`` one token at a time; the sample is the step for ``window[-2]``."""
-    from qnnpasses.numerics import run_cpu
+    from qnnpasses.backends.cpu import run_cpu
 
     ids = next(s for s in specs if _is_ids(s))
     past_len = kv[0].shape[-2]

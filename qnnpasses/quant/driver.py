@@ -2,7 +2,7 @@
 
 Steps (``qnnpasses quantize``):
 
-1. **Prepare.**  Unless the model's ``metadata_props`` carry ``qnnpasses.pipeline`` (the
+1. **Prepare.**  Unless the model's ``metadata_props`` carry ``qnnpasses.passmanager.spec`` (the
    ``htp-llm`` pipeline already ran), run ``htp-llm``; then the quantization-prep passes
    (``QUANT_PREP``): graph fixes that only quantization needs, each a framework pass with
    its record.  ``htp-llm`` itself makes masks finite, removes NaN guards and int64 math.
@@ -36,15 +36,16 @@ from onnxruntime.quantization import CalibrationMethod, quantize
 from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import IRModel, load_model, save_model
-from qnnpasses.manager import PassManager, RunConfig
-from qnnpasses.pass_api import PassContext
-from qnnpasses.pipeline import Pipeline, parse_pipeline
-from qnnpasses.pipelines import get_pipeline, named_pipelines
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.named import get_pipeline, named_pipelines
+from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
 from qnnpasses.quant.policy import Plan, PrecisionPolicy, make_plan
 
-PIPELINE_KEY = "qnnpasses.pipeline"
+PIPELINE_KEY = "qnnpasses.passmanager.spec"
 QUANT_KEY = "qnnpasses.quantization"
 #: Quantization-prep passes, after htp-llm.
 QUANT_PREP = "quant-mask,cleanup"

@@ -7,7 +7,7 @@ CPU nodes); the same session is profiled, which gives its placement (QNN partiti
 CPU-EP nodes) without a second session.
 
 Per output, over all evaluation samples: cosine and max abs error against the fp32 run.
-For logits (see :func:`qnnpasses.compare.is_logits`), also top-1 agreement with the fp32
+For logits (see :func:`qnnpasses.debug.compare.is_logits`), also top-1 agreement with the fp32
 argmax and the perplexity of both models on the held-out next tokens (``labels`` stored
 with the data, else ``input_ids`` shifted by one).
 """
@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from qnnpasses.compare import align_sentinels, is_logits, vocab_size
+from qnnpasses.backends.cpu import cosine_similarity, run_cpu
+from qnnpasses.debug.compare import align_sentinels, is_logits, vocab_size
 from qnnpasses.errors import CheckFailedError
-from qnnpasses.ir import IRModel, load_model
-from qnnpasses.numerics import cosine_similarity, run_cpu
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel
 from qnnpasses.quant.calibration import CalibrationData
 
 #: Provider options for QDQ models: integer precision, boundary Q/DQ on the HTP too.
@@ -70,7 +71,7 @@ def htp_int_session(model: str | os.PathLike, *, profile_dir: str | None = None)
     """A QNN HTP session for a QDQ model in integer precision (profiled when ``profile_dir`` is given)."""
     import onnxruntime as ort
 
-    from qnnpasses.htp import htp_session
+    from qnnpasses.backends.htp import htp_session
 
     if not os.environ.get("QNNPASSES_DEBUG"):
         ort.set_default_logger_severity(3)  # the EP's per-session warnings say nothing about the model
@@ -149,7 +150,7 @@ def _session(quantized, on: str, tmp: str):
 def _placement(session, on: str) -> tuple[int | None, list[str]]:
     if on != "htp":
         return None, []
-    from qnnpasses.htp import parse_profile
+    from qnnpasses.backends.htp import parse_profile
 
     path = session.end_profiling()
     try:

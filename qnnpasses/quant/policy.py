@@ -46,7 +46,7 @@ import onnx_graphsurgeon as gs
 from onnxruntime.quantization import QuantType
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir import IRModel
+from qnnpasses.ir.model import IRModel
 
 CATEGORIES = ("embedding", "lm_head", "attention", "softmax", "norm")
 ACTIVATION_TYPES = {"uint8": QuantType.QUInt8, "uint16": QuantType.QUInt16, "int8": QuantType.QInt8,

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from qnnpasses.errors import QnnPassesError
-from qnnpasses.ir import load_model, save_model
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
 from qnnpasses.quant.driver import ensure_pipeline, quant_prep, quantize_model
 from qnnpasses.quant.evaluate import evaluate
@@ -196,7 +197,7 @@ def chart(result: SweepResult, path: Path) -> Path | None:
 
 
 def write_outputs(result: SweepResult, out: Path) -> dict[str, Path]:
-    from qnnpasses.report import json_safe
+    from qnnpasses.passmanager.report import json_safe
 
     files = {"json": out / "sweep.json", "md": out / "sweep.md", "png": out / "sweep.png"}
     files["json"].write_text(json.dumps(json_safe(result.as_dict()), indent=2))

@@ -12,8 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.pass_api import Pass, PassContext, PassResult, register_pass
-from qnnpasses.rewrite import can_replace, constant_value, finish, replace_all_uses
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.rewrite import (
+    can_replace,
+    constant_value,
+    finish,
+    replace_all_uses,
+)
 
 # op -> (neutral value, may the constant be the first operand?)
 NEUTRAL = {"Add": (0.0, True), "Sub": (0.0, False), "Mul": (1.0, True), "Div": (1.0, False)}

@@ -1,0 +1,1 @@
+"""Attention: masks, grouped-query K/V, head layout, rotary embeddings."""

@@ -1,0 +1,1 @@
+"""Constant folding, no-op removal and dead-code clean-up."""

@@ -1,0 +1,22 @@
+"""cleanup: remove nodes and tensors that no graph output depends on, then sort topologically.
+
+Safe because nothing that reaches an output is touched; graph inputs stay even when
+unused, so the model's interface does not change.
+"""
+
+from __future__ import annotations
+
+from qnnpasses.ir.model import IRModel
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+
+
+@register_pass
+class Cleanup(Pass):
+    name = "cleanup"
+    summary = "dead-code removal and a topological sort"
+
+    def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
+        before = len(ir.graph.nodes)
+        ir.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True).toposort()
+        removed = before - len(ir.graph.nodes)
+        return PassResult(changed=removed > 0, stats={"removed_nodes": removed})

@@ -1,0 +1,1 @@
+"""Data movement: Transpose/Reshape/Gather/Slice chains, GatherND, weight layouts."""

@@ -1,0 +1,1 @@
+"""Normalizations and activations: RMSNorm / LayerNorm / GeLU fusion and decomposition, fp16 safety."""

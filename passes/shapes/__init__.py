@@ -1,0 +1,1 @@
+"""Static shapes: binding symbolic dimensions to the sizes QNN needs."""

@@ -1,0 +1,257 @@
+"""Running models on onnxruntime's CPU provider and comparing outputs.
+
+Inputs are seeded and respect each input's dtype and shape; integer inputs get
+values that are valid for what consumes them (token ids below the embedding's row
+count, masks of ones, positions counting up).  Comparison reports max abs error and
+cosine per output; the tolerance rule is stated once here.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.errors import BadInputError
+from qnnpasses.ir.model import INLINE_LIMIT_BYTES, IRModel, save_model, to_model_bytes
+from qnnpasses.ir.shapes import resolve_dim
+
+# A lossless pass may move an output by at most ATOL + RTOL * max|reference| ...
+ATOL = 1e-4
+RTOL = 1e-4
+# ... and must keep its cosine similarity to the reference at least this high.
+MIN_COSINE = 0.99999
+
+
+@dataclass
+class OutputDiff:
+    name: str
+    max_abs: float
+    cosine: float
+    ok: bool
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "max_abs": self.max_abs, "cosine": self.cosine, "ok": self.ok}
+
+
+@dataclass
+class Comparison:
+    outputs: list[OutputDiff]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outputs)
+
+    @property
+    def max_abs(self) -> float:
+        return max((o.max_abs for o in self.outputs), default=0.0)
+
+    @property
+    def cosine(self) -> float:
+        return min((o.cosine for o in self.outputs), default=1.0)
+
+    def summary(self) -> dict:
+        return {"max_abs": self.max_abs, "cosine": self.cosine, "outputs": [o.as_dict() for o in self.outputs]}
+
+    def failure(self) -> str:
+        bad = [o for o in self.outputs if not o.ok]
+        return "; ".join(f"{o.name}: {o.reason}" for o in bad)
+
+
+def make_inputs(ir: IRModel, seed: int = 0, shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input, shaped by ``shapes`` or by the declared dims."""
+    rng = np.random.default_rng(seed)
+    shapes = shapes or {}
+    inputs = {}
+    for tensor in ir.graph.inputs:
+        if isinstance(tensor, gs.Constant):
+            continue
+        shape = shapes.get(tensor.name) or [resolve_dim(d, tensor.name, i) for i, d in enumerate(tensor.shape or [])]
+        inputs[tensor.name] = _values_for(ir, tensor, tuple(int(d) for d in shape), rng)
+    return inputs
+
+
+def _values_for(ir: IRModel, tensor: gs.Variable, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    dtype = np.dtype(tensor.dtype) if tensor.dtype is not None else np.dtype(np.float32)
+    name = tensor.name.lower()
+    if dtype == np.bool_:
+        return np.ones(shape, dtype=bool) if "mask" in name else rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        if "mask" in name:
+            return np.ones(shape, dtype=dtype)
+        if "position" in name:
+            return np.broadcast_to(np.arange(shape[-1] if shape else 1), shape).astype(dtype).copy() if shape else np.zeros((), dtype)
+        if "token_type" in name:
+            return np.zeros(shape, dtype=dtype)
+        high = _index_bound(tensor) or 2
+        return rng.integers(0, high, shape).astype(dtype)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    raise BadInputError(f"cannot make inputs of dtype {dtype} for '{tensor.name}'; pass --inputs FILE.npz")
+
+
+def _index_bound(tensor: gs.Variable) -> int | None:
+    """The largest valid index for an integer input used as Gather indices into a constant table."""
+    bounds = []
+    for consumer in tensor.outputs:
+        if consumer.op == "Gather" and len(consumer.inputs) > 1 and consumer.inputs[1] is tensor:
+            data = consumer.inputs[0]
+            if data.shape:
+                axis = int(consumer.attrs.get("axis", 0))
+                dim = data.shape[axis]
+                if isinstance(dim, int):
+                    bounds.append(dim)
+    return min(bounds) if bounds else None
+
+
+def adapt_inputs(ir: IRModel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same input values in the dtypes the graph now declares.
+
+    A pass may narrow an integer input (int64 token ids to int32); the values a
+    verification run feeds are then cast when they fit, so before/after runs see the
+    same numbers.
+    """
+    adapted = dict(inputs)
+    for tensor in ir.graph.inputs:
+        value = inputs.get(tensor.name)
+        if not isinstance(value, np.ndarray) or tensor.dtype is None:  # sequences, optionals: as given
+            continue
+        want = np.dtype(tensor.dtype)
+        if want == value.dtype or want.kind not in "iub" or value.dtype.kind not in "iub":
+            continue
+        if want.kind != "b" and value.size and (value.min() < np.iinfo(want).min or value.max() > np.iinfo(want).max):
+            continue
+        adapted[tensor.name] = value.astype(want)
+    return adapted
+
+
+def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    file = Path(path)
+    if not file.is_file():
+        raise BadInputError(f"inputs file not found: {file}")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except Exception as exc:
+        raise BadInputError(f"cannot read inputs from {file}: {exc}") from None
+
+
+def check_inputs(ir: IRModel, inputs: dict[str, np.ndarray]) -> None:
+    """Refuse inputs whose names or dtypes do not fit the model, naming the mismatch."""
+    declared = {t.name: t for t in ir.graph.inputs}
+    missing = sorted(set(declared) - set(inputs))
+    extra = sorted(set(inputs) - set(declared))
+    if missing or extra:
+        raise BadInputError(f"inputs do not match the model: missing {missing}, unexpected {extra}")
+    for name, array in inputs.items():
+        want = declared[name].dtype
+        if want is not None and np.dtype(want) != array.dtype:
+            raise BadInputError(f"input '{name}' has dtype {array.dtype}, the model wants {np.dtype(want)}")
+
+
+def run_cpu(ir_or_path: IRModel | str | os.PathLike, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run on onnxruntime's CPU provider with all graph optimizations off (what the graph says)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4  # failures reach the user as one line, not as onnxruntime's log
+    if isinstance(ir_or_path, IRModel):
+        if ir_or_path.weight_bytes() <= INLINE_LIMIT_BYTES:
+            session = ort.InferenceSession(to_model_bytes(ir_or_path), options, providers=["CPUExecutionProvider"])
+        else:
+            with tempfile.TemporaryDirectory(prefix="qnnpasses-") as tmp:
+                path = save_model(ir_or_path, Path(tmp) / "model.onnx", external_data=True)
+                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                return _run(session, inputs)
+    else:
+        session = ort.InferenceSession(str(ir_or_path), options, providers=["CPUExecutionProvider"])
+    return _run(session, inputs)
+
+
+def _run(session, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    wanted = {i.name for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    values = session.run(names, {k: v for k, v in inputs.items() if k in wanted})
+    return dict(zip(names, values))
+
+
+def compare_outputs(
+    reference: dict[str, np.ndarray],
+    candidate: dict[str, np.ndarray],
+    *,
+    atol: float = ATOL,
+    rtol: float = RTOL,
+    min_cosine: float = MIN_COSINE,
+) -> Comparison:
+    """Compare every reference output; a float output is ok when within ``atol + rtol*max|ref|``
+    and its cosine is at least ``min_cosine``; other dtypes must be equal."""
+    diffs = []
+    for name, ref in reference.items():
+        if name not in candidate:
+            diffs.append(OutputDiff(name, float("inf"), 0.0, False, "output is missing"))
+            continue
+        got = candidate[name]
+        if not isinstance(ref, np.ndarray) or not isinstance(got, np.ndarray):  # sequence/optional outputs
+            diffs.append(_compare_values(name, ref, got))
+            continue
+        diffs.append(_compare_one(name, ref, got, atol, rtol, min_cosine))
+    return Comparison(diffs)
+
+
+def _compare_values(name: str, ref, got) -> OutputDiff:
+    """Sequence and optional outputs: equal element by element (NaN equal to NaN), or not ok."""
+    def same(a, b) -> bool:
+        if isinstance(a, list) or isinstance(b, list):
+            return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
+        if a is None or b is None:
+            return a is None and b is None
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc")
+    ok = same(ref, got)
+    return OutputDiff(name, 0.0 if ok else float("inf"), 1.0 if ok else 0.0, ok, "" if ok else "sequence/optional output differs")
+
+
+def _compare_one(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, min_cosine: float) -> OutputDiff:
+    if ref.shape != got.shape:
+        return OutputDiff(name, float("inf"), 0.0, False, f"shape {got.shape} differs from {ref.shape}")
+    if ref.size == 0:
+        return OutputDiff(name, 0.0, 1.0, True)
+    if ref.dtype.kind not in "biufc" or got.dtype.kind not in "biufc":  # strings, objects: exactly equal
+        ok = ref.dtype == got.dtype and np.array_equal(ref, got)
+        return OutputDiff(name, 0.0 if ok else float("inf"), 1.0 if ok else 0.0, ok, "" if ok else "values differ")
+    a = ref.astype(np.float64)
+    b = got.astype(np.float64)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    if (nan_a != nan_b).any():
+        return OutputDiff(name, float("nan"), float("nan"), False, f"NaN in {int((nan_a != nan_b).sum())} positions that differ")
+    finite = ~nan_a
+    a, b = a[finite], b[finite]
+    max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
+    cosine = cosine_similarity(a, b)
+    if ref.dtype.kind not in "fc":
+        ok = max_abs == 0.0
+        return OutputDiff(name, max_abs, cosine, ok, "" if ok else f"integer output differs by up to {max_abs:g}")
+    bound = atol + rtol * float(np.max(np.abs(a))) if a.size else atol
+    if max_abs > bound:
+        return OutputDiff(name, max_abs, cosine, False, f"max abs error {max_abs:.3g} > {bound:.3g}")
+    if cosine < min_cosine:
+        return OutputDiff(name, max_abs, cosine, False, f"cosine {cosine:.8f} < {min_cosine}")
+    return OutputDiff(name, max_abs, cosine, True)
+
+
+def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return float(np.dot(a, b) / (na * nb))
+

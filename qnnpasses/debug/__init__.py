@@ -1,0 +1,3 @@
+"""Finding what went wrong: output comparison with layer bisection (``compare``) and
+bisection of graphs the HTP refuses to finalize (``diagnose``).
+"""

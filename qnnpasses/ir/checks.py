@@ -1,0 +1,141 @@
+"""Graph well-formedness: the ONNX checker, strict shape inference, and known operators.
+
+Runs on the stubbed ``ModelProto`` (see :mod:`qnnpasses.ir.model`), so it costs the same for
+a 10 GB model as for a 1 MB one.  :func:`refresh_shapes` writes the inferred dtypes
+and shapes back into the graph so that passes can read them from tensors.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from qnnpasses.ir.model import IRModel, stub_index
+
+# Domains whose operators onnxruntime knows even where onnx has no schema for them.
+KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training", "com.microsoft.nchwc"})
+
+
+def check_model(ir: IRModel, *, refresh: bool = False) -> str | None:
+    """One line describing why the model is not well-formed, or ``None`` when it is.
+
+    With ``refresh`` the inferred dtypes and shapes are written back into the graph.
+    """
+    proto, _ = ir.to_proto()
+    problem, inferred = check_proto(proto)
+    if problem is None and refresh:
+        _apply_inferred(ir, inferred)
+    return problem
+
+
+def check_proto(proto: onnx.ModelProto) -> tuple[str | None, onnx.ModelProto | None]:
+    """The checker, then strict shape inference; returns the problem or the inferred model."""
+    unknown = _unknown_operator(proto)
+    if unknown:
+        return unknown, None
+    proto = stubs_as_inputs(proto)
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as exc:  # ValidationError, or other types the C++ checker raises on odd protos
+        return _first_line(exc), None
+    try:
+        return None, onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        return f"shape inference failed: {_first_line(exc)}", None
+
+
+def _unknown_operator(proto: onnx.ModelProto) -> str | None:
+    local_functions = {(f.domain, f.name) for f in proto.functions}
+    for node in _walk_nodes(proto.graph):
+        if node.domain in KNOWN_DOMAINS or (node.domain, node.op_type) in local_functions:
+            continue
+        return f"node '{node.name}' uses operator '{node.op_type}' of unknown domain '{node.domain}'"
+    return None
+
+
+def _walk_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _walk_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _walk_nodes(g)
+
+
+def stubs_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy in which stubbed initializers are typed graph inputs instead.
+
+    The checker insists that external data files exist; stubs point nowhere on
+    purpose.  As inputs (stubbed Constant nodes too) they keep dtype and shape,
+    which is all checking needs.
+    Intermediate value infos are dropped so inference starts from scratch and stale
+    infos left by a rewrite cannot poison it.
+    """
+    clone = onnx.ModelProto()
+    clone.CopyFrom(proto)
+    graph = clone.graph
+    del graph.value_info[:]
+    input_names = {i.name for i in graph.input}
+
+    def as_input(name: str, tensor: onnx.TensorProto) -> None:
+        if name not in input_names:
+            graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+            input_names.add(name)
+
+    kept = []
+    for tensor in graph.initializer:
+        if stub_index(tensor) is None:
+            kept.append(tensor)
+        else:
+            as_input(tensor.name, tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    nodes = []
+    for node in graph.node:
+        value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+        if node.op_type == "Constant" and value is not None and stub_index(value) is not None:
+            as_input(node.output[0], value)
+        else:
+            nodes.append(node)
+    if len(nodes) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return clone
+
+
+def infer_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.shape_inference.infer_shapes(stubs_as_inputs(proto), data_prop=True)
+
+
+def refresh_shapes(ir: IRModel) -> None:
+    """Re-run shape inference and set dtype and shape on every intermediate tensor."""
+    proto, _ = ir.to_proto()
+    _apply_inferred(ir, infer_proto(proto))
+
+
+def _apply_inferred(ir: IRModel, inferred: onnx.ModelProto) -> None:
+    infos = {vi.name: vi for vi in inferred.graph.value_info}
+    graph_io = {t.name for t in ir.graph.inputs} | {t.name for t in ir.graph.outputs}
+    for name, tensor in ir.graph.tensors().items():
+        if not isinstance(tensor, gs.Variable) or name in graph_io:
+            continue
+        info = infos.get(name)
+        if info is None or not info.type.HasField("tensor_type"):
+            continue
+        ttype = info.type.tensor_type
+        if ttype.elem_type:
+            tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type) if ttype.elem_type not in _NON_NUMPY else ttype.elem_type
+        if ttype.HasField("shape"):
+            tensor.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in ttype.shape.dim]
+        else:
+            tensor.shape = None
+
+
+_NON_NUMPY = {onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:400]

@@ -1,0 +1,466 @@
+"""The IR: an onnx-graphsurgeon graph plus the model-level fields graphsurgeon drops.
+
+Weights are never copied into the pass loop.  Initializers stored as external data
+stay on disk and are read lazily through a read-only memory map; inline ones stay in
+their original ``TensorProto``.  Whenever the graph is turned back into a
+``ModelProto`` (for the checker, shape inference or saving), every large constant is
+replaced by a small *stub* that refers to its source, so the protobuf never carries
+the weights and never hits the 2 GB limit.  Only :func:`save_model` writes weight
+bytes, streaming each tensor once into the output.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Union
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from qnnpasses.errors import BadInputError
+
+# Constants at least this large become stubs when the graph is exported for analysis.
+STUB_THRESHOLD_BYTES = 1024
+# Constants at least this large go to the external data file when saving with external data.
+EXTERNAL_THRESHOLD_BYTES = 1024
+# Tensors at least this large are aligned in the data file so they can be memory-mapped.
+ALIGN_THRESHOLD_BYTES = 1 << 20
+ALIGNMENT = 4096
+# Above this many weight bytes a model is always saved with external data.
+INLINE_LIMIT_BYTES = 1_800_000_000
+_STUB_PREFIX = "qnnpasses-source:"
+_COPY_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class ExternalSource:
+    """Bytes ``[offset, offset+length)`` of an external data file."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+Source = Union[ExternalSource, np.ndarray, onnx.TensorProto, "DerivedValues"]
+
+
+class ExternalValues(LazyValues):
+    """Lazily loaded values of an external-data initializer: a read-only memory map."""
+
+    def __init__(self, tensor: onnx.TensorProto, source: ExternalSource):
+        super().__init__(tensor)
+        self.source = source
+
+    def load(self) -> np.ndarray:
+        np_dtype = onnx.helper.tensor_dtype_to_np_dtype(self.tensor.data_type)
+        shape = tuple(self.tensor.dims)
+        if self.source.length == 0 or 0 in shape:
+            return np.zeros(shape, dtype=np_dtype)
+        if np_dtype.kind not in "biufc":  # bfloat16, float8: let onnx convert them
+            return onnx.numpy_helper.to_array(self.tensor, base_dir=str(self.source.path.parent))
+        array = np.memmap(self.source.path, dtype=np_dtype, mode="r", offset=self.source.offset, shape=shape)
+        array.qnnpasses_source = self.source  # views do not inherit it; see _source_of
+        return array
+
+
+class DerivedValues(LazyValues):
+    """Values a pass computed from a mapped weight, kept as a recipe until they are read.
+
+    A pass that permutes or reshapes a 7B model's weights would otherwise hold every
+    rewritten weight in memory until the output is written.  The recipe maps its source
+    afresh on each read, so saving computes one tensor at a time and lets it go.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, compute):
+        super().__init__(onnx.TensorProto(data_type=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                                          dims=list(shape)))
+        self.compute = compute
+
+    def load(self) -> np.ndarray:
+        return self.compute()
+
+
+def mapped_source(values) -> ExternalSource | None:
+    """The external bytes ``values`` maps, when it is (a plain view of) a whole mapped weight.
+
+    ``np.asarray`` of a memory map is a base-class view that drops our tag; follow ``.base``
+    to the tagged map and accept it only if the view covers it exactly.
+    """
+    current = values
+    while isinstance(current, np.ndarray):
+        source = getattr(current, "qnnpasses_source", None)
+        if source is not None:
+            same = (current.__array_interface__["data"][0] == values.__array_interface__["data"][0]
+                    and current.shape == values.shape and current.strides == values.strides
+                    and current.dtype == values.dtype)
+            return source if same else None
+        current = current.base
+    return None
+
+
+def derived_from(values: np.ndarray, transform) -> np.ndarray | DerivedValues:
+    """``transform(values)`` for a new constant: a lazy recipe when ``values`` is a weight
+    mapped from an external file, else computed now.  ``transform`` must be a pure
+    function of its input array (reshape, transpose, slicing, arithmetic)."""
+    source = mapped_source(values)
+    if source is None:
+        return np.ascontiguousarray(transform(values))
+    dtype, shape = values.dtype, values.shape
+    # zero strides: the transformed shape without touching (or allocating) any data
+    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape))
+    out_shape = np.shape(transform(ghost))
+
+    def compute() -> np.ndarray:
+        fresh = np.memmap(source.path, dtype=dtype, mode="r", offset=source.offset, shape=shape)
+        return np.ascontiguousarray(transform(fresh))
+
+    return DerivedValues(out_shape, dtype, compute)
+
+
+class _StubValues(LazyValues):
+    """Stands in for a constant's values while exporting: the proto refers to a source index."""
+
+
+@dataclass
+class IRModel:
+    """A model under rewrite: the graph and the ``ModelProto`` fields around it."""
+
+    graph: gs.Graph
+    path: Path | None = None
+    ir_version: int = onnx.IR_VERSION
+    producer_name: str = ""
+    producer_version: str = ""
+    domain: str = ""
+    model_version: int = 0
+    doc_string: str = ""
+    metadata_props: dict[str, str] = field(default_factory=dict)
+    had_external_data: bool = False
+
+    @property
+    def opset(self) -> int:
+        return int(self.graph.opset)
+
+    def graphs(self) -> Iterator[gs.Graph]:
+        """The main graph and every nested subgraph (If/Loop/Scan bodies)."""
+        return iter_graphs(self.graph)
+
+    def weight_bytes(self) -> int:
+        return sum(const_nbytes(t) for g in self.graphs() for t in _constants_with_attributes(g))
+
+    def to_proto(self) -> tuple[onnx.ModelProto, list[Source]]:
+        """Export to a ``ModelProto`` whose large constants are stubs; returns the sources too."""
+        return export_with_stubs(self)
+
+    def restore(self, snapshot: "IRModel") -> None:
+        """Make this model what ``snapshot`` (a :meth:`copy`) was: the rollback of a pass."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(snapshot, name))
+
+    def copy(self) -> "IRModel":
+        """A structural copy for rollback; constant arrays are shared, never mutated in place."""
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        graph = self.graph.copy()
+        # graphsurgeon's copy shares the opset-import objects: a pass that raises an
+        # opset in place must not change the rollback copy too
+        graph.import_domains = copy.deepcopy(self.graph.import_domains)
+        fields.update(graph=graph, metadata_props=dict(self.metadata_props))
+        return IRModel(**fields)
+
+
+def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
+    yield graph
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            subgraphs = value if isinstance(value, list) else [value]
+            for sub in subgraphs:
+                if isinstance(sub, gs.Graph):
+                    yield from iter_graphs(sub)
+
+
+def const_nbytes(tensor: gs.Constant) -> int:
+    values = tensor._values
+    if isinstance(values, LazyValues):
+        return int(values.nbytes)
+    return int(values.nbytes)
+
+
+def _all_initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every stored tensor: initializers, then tensors in node attributes, subgraphs included."""
+    for tensor, _ in _stored_tensors(graph):
+        yield tensor
+
+
+def _stored_tensors(graph: onnx.GraphProto) -> Iterator[tuple[onnx.TensorProto, bool]]:
+    """``(tensor, is_attribute)`` for every initializer and attribute tensor, recursively."""
+    for tensor in graph.initializer:
+        yield tensor, False
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t, True
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                yield from _stored_tensors(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _stored_tensors(g)
+
+
+def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    count = int(np.prod(tensor.dims)) if len(tensor.dims) else 1
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except Exception:  # unknown dtype: fall back to the declared length
+        return -1
+    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return (count + 1) // 2
+    return count * itemsize
+
+
+def _external_key(tensor: onnx.TensorProto) -> tuple:
+    """Identifies an external tensor across protobuf wrapper objects (their ids are not stable)."""
+    return (tensor.name, tuple((e.key, e.value) for e in tensor.external_data))
+
+
+def _constants_with_attributes(graph: gs.Graph) -> Iterator[gs.Constant]:
+    """Initializers and the tensors held in node attributes (Constant nodes' ``value``)."""
+    for tensor in graph.tensors().values():
+        if isinstance(tensor, gs.Constant):
+            yield tensor
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            if isinstance(value, gs.Constant):
+                yield value
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+# --------------------------------------------------------------------------- exporting
+
+
+def _source_of(tensor: gs.Constant) -> Source:
+    values = tensor._values
+    if isinstance(values, ExternalValues):
+        return values.source
+    if isinstance(values, DerivedValues):
+        return values
+    if isinstance(values, np.ndarray) and mapped_source(values) is not None:
+        # a weight a pass has read: stream it from its file; copying it through the
+        # mapping would make every page of it resident (RSS = model size)
+        return mapped_source(values)
+    if isinstance(values, LazyValues):
+        return values.tensor
+    return values
+
+
+def _onnx_dtype(tensor: gs.Constant) -> int:
+    values = tensor._values
+    if isinstance(values, LazyValues):
+        return values.tensor.data_type
+    export_dtype = getattr(tensor, "export_dtype", None)
+    if export_dtype is not None and not isinstance(export_dtype, np.dtype):
+        return int(export_dtype)
+    return onnx.helper.np_dtype_to_tensor_dtype(values.dtype)
+
+
+def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES) -> tuple[onnx.ModelProto, list[Source]]:
+    """``ModelProto`` of the IR in which constants of ``threshold`` bytes or more are stubs.
+
+    A stub is an external-data tensor whose location is ``qnnpasses-source:<i>``; the
+    returned list holds source ``i``.  The checker and shape inference read only dims
+    and dtypes of such tensors, so the proto stays small whatever the weight size.
+    """
+    sources: list[Source] = []
+    swapped: list[tuple[gs.Constant, object]] = []
+    try:
+        for g in ir.graphs():
+            for tensor in _constants_with_attributes(g):
+                if isinstance(tensor._values, _StubValues):
+                    continue
+                # external data is always stubbed: its location is relative to the input's folder
+                if const_nbytes(tensor) < threshold and not isinstance(tensor._values, ExternalValues):
+                    continue
+                stub = onnx.TensorProto(name=tensor.name, data_type=_onnx_dtype(tensor), dims=list(tensor.shape))
+                stub.data_location = onnx.TensorProto.EXTERNAL
+                stub.external_data.add(key="location", value=f"{_STUB_PREFIX}{len(sources)}")
+                sources.append(_source_of(tensor))
+                swapped.append((tensor, tensor._values))
+                tensor._values = _StubValues(stub)
+        proto = gs.export_onnx(ir.graph, do_type_check=False)
+    finally:
+        for tensor, values in swapped:
+            tensor._values = values
+    proto.ir_version = ir.ir_version
+    proto.producer_name = ir.producer_name
+    proto.producer_version = ir.producer_version
+    proto.domain = ir.domain
+    proto.model_version = ir.model_version
+    proto.doc_string = ir.doc_string
+    del proto.metadata_props[:]
+    for key, value in ir.metadata_props.items():
+        proto.metadata_props.add(key=key, value=value)
+    return proto, sources
+
+
+def stub_index(tensor: onnx.TensorProto) -> int | None:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    for entry in tensor.external_data:
+        if entry.key == "location" and entry.value.startswith(_STUB_PREFIX):
+            return int(entry.value[len(_STUB_PREFIX):])
+    return None
+
+
+def source_bytes(source: Source) -> Iterator[bytes | memoryview]:
+    """Stream the bytes of a source in chunks, reading each weight exactly once."""
+    if isinstance(source, ExternalSource):
+        with open(source.path, "rb") as fh:
+            fh.seek(source.offset)
+            remaining = source.length
+            while remaining > 0:
+                chunk = fh.read(min(_COPY_CHUNK, remaining))
+                if not chunk:
+                    raise BadInputError(f"external data file {source.path.name} ended early")
+                remaining -= len(chunk)
+                yield chunk
+    elif isinstance(source, DerivedValues):
+        yield memoryview(source.load()).cast("B")
+    elif isinstance(source, onnx.TensorProto):
+        if source.HasField("raw_data"):
+            yield source.raw_data
+        else:
+            yield np.ascontiguousarray(onnx.numpy_helper.to_array(source)).tobytes()
+    else:
+        array = np.ascontiguousarray(source)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        yield memoryview(array).cast("B")
+
+
+def resolve_stubs(proto: onnx.ModelProto, sources: list[Source], data_file: Path | None) -> None:
+    """Fill every stub: inline as ``raw_data``, or streamed into ``data_file``.
+
+    With a data file, tensors below :data:`EXTERNAL_THRESHOLD_BYTES` are kept inline,
+    and so are tensors in node attributes (onnxruntime reads external data only for
+    initializers).
+    """
+    out = open(data_file, "wb") if data_file is not None else None
+    try:
+        for tensor, is_attribute in _stored_tensors(proto.graph):
+            index = stub_index(tensor)
+            if index is None:
+                big = tensor.HasField("raw_data") and len(tensor.raw_data) >= EXTERNAL_THRESHOLD_BYTES
+                if out is not None and big and not is_attribute:
+                    _write_external(tensor, [tensor.raw_data], out, data_file)
+                continue
+            chunks = source_bytes(sources[index])
+            if out is None or is_attribute or _tensor_nbytes(tensor) < EXTERNAL_THRESHOLD_BYTES:
+                tensor.raw_data = b"".join(bytes(c) for c in chunks)
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+            else:
+                _write_external(tensor, chunks, out, data_file)
+    finally:
+        if out is not None:
+            out.truncate(out.tell())  # a trailing hole still needs the file to reach its end
+            out.close()
+
+
+def _all_zero(chunk: bytes | memoryview) -> bool:
+    data = chunk if isinstance(chunk, bytes) else bytes(chunk) if len(chunk) < 4096 else None
+    if data is None:
+        return not np.frombuffer(chunk, dtype=np.uint8).any()
+    return data.count(0) == len(data)
+
+
+def _write_external(tensor: onnx.TensorProto, chunks, out, data_file: Path) -> None:
+    position = out.tell()
+    if _tensor_nbytes(tensor) >= ALIGN_THRESHOLD_BYTES and position % ALIGNMENT:
+        out.write(b"\0" * (ALIGNMENT - position % ALIGNMENT))
+        position = out.tell()
+    length = 0
+    for chunk in chunks:
+        if _all_zero(chunk):
+            out.seek(len(chunk), os.SEEK_CUR)  # keep holes: a sparse input stays sparse
+        else:
+            out.write(chunk)
+        length += len(chunk)
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=data_file.name)
+    tensor.external_data.add(key="offset", value=str(position))
+    tensor.external_data.add(key="length", value=str(length))
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def save_model(ir: IRModel, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+    """Write the IR atomically to ``path`` (and ``path.data`` when weights go external).
+
+    ``external_data=None`` keeps the input's choice, and always goes external above
+    :data:`INLINE_LIMIT_BYTES`.  Temporary files are renamed into place only after
+    everything was written, so a failure never leaves a half-written output; the input
+    model and its data file are never overwritten.
+    """
+    out = Path(path)
+    if external_data is None:
+        external_data = ir.had_external_data or ir.weight_bytes() > INLINE_LIMIT_BYTES
+    data_file = out.with_name(out.name + ".data") if external_data else None
+    _refuse_overwriting_input(ir, out, data_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proto, sources = export_with_stubs(ir)
+    tmp_model = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp_data = data_file.with_name(f".{data_file.name}.tmp-{os.getpid()}") if data_file else None
+    try:
+        resolve_stubs(proto, sources, tmp_data)
+        if tmp_data is not None:
+            # the proto must name the final data file, not the temporary one
+            for tensor in _all_initializers(proto.graph):
+                for entry in tensor.external_data:
+                    if entry.key == "location" and entry.value == tmp_data.name:
+                        entry.value = data_file.name
+        with open(tmp_model, "wb") as fh:
+            fh.write(proto.SerializeToString())
+        if tmp_data is not None:
+            os.replace(tmp_data, data_file)
+        os.replace(tmp_model, out)
+    except BaseException:
+        for tmp in (tmp_model, tmp_data):
+            if tmp is not None and tmp.exists():
+                tmp.unlink()
+        raise
+    return out
+
+
+def _refuse_overwriting_input(ir: IRModel, out: Path, data_file: Path | None) -> None:
+    protected = {s.path.resolve() for s in _external_files(ir)}
+    if ir.path is not None:
+        protected.add(ir.path.resolve())
+    for target in (out, data_file):
+        if target is not None and target.resolve() in protected:
+            raise BadInputError(f"refusing to overwrite the input file {target}; choose another output path")
+
+
+def _external_files(ir: IRModel) -> list[ExternalSource]:
+    return [
+        t._values.source
+        for g in ir.graphs()
+        for t in _constants_with_attributes(g)
+        if isinstance(t._values, ExternalValues)
+    ]
+
+
+def to_model_bytes(ir: IRModel) -> bytes:
+    """The whole model as one serialized protobuf with inline weights (small models only)."""
+    proto, sources = export_with_stubs(ir)
+    resolve_stubs(proto, sources, None)
+    return proto.SerializeToString()

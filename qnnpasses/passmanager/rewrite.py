@@ -1,0 +1,259 @@
+"""Small helpers that rewrite passes share: finding producers and constant values,
+rewiring consumers, and making constants and nodes with fresh names.
+
+They work on onnx-graphsurgeon objects.  Nothing here mutates constant arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.ir.model import DerivedValues, IRModel
+from qnnpasses.passmanager.api import PassContext
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    """The node that computes ``tensor`` (None for graph inputs and constants)."""
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def producer_op(tensor: gs.Tensor, op: str | Sequence[str]) -> gs.Node | None:
+    """The producer of ``tensor`` if its op type is ``op`` (or one of them)."""
+    node = producer(tensor)
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    return node if node is not None and node.op in ops else None
+
+
+def single_consumer(tensor: gs.Tensor, graph: gs.Graph | None = None) -> gs.Node | None:
+    """The only node reading ``tensor``, if exactly one does and it is not a graph output."""
+    if len(tensor.outputs) != 1:
+        return None
+    if graph is not None and tensor in graph.outputs:
+        return None
+    return tensor.outputs[0]
+
+
+def constant_value(tensor: gs.Tensor | None) -> np.ndarray | None:
+    """The value of a tensor known at rewrite time: an initializer or a Constant node's output."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, gs.Constant):
+        if isinstance(tensor._values, DerivedValues):
+            return tensor._values.load()  # a recipe: computed on demand, never cached in the graph
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant" and not node.inputs:
+        value = node.attrs.get("value")
+        if isinstance(value, gs.Constant):
+            return np.asarray(value.values)
+        for key, dtype in (("value_float", np.float32), ("value_int", np.int64)):
+            if key in node.attrs:
+                return np.asarray(node.attrs[key], dtype=dtype)
+        for key, dtype in (("value_floats", np.float32), ("value_ints", np.int64)):
+            if key in node.attrs:
+                return np.asarray(node.attrs[key], dtype=dtype)
+    return None
+
+
+def is_constant(tensor: gs.Tensor | None) -> bool:
+    """Whether ``tensor``'s value is known at rewrite time, without reading that value."""
+    if isinstance(tensor, gs.Constant):
+        return True
+    node = producer(tensor) if tensor is not None else None
+    return node is not None and node.op == "Constant" and not node.inputs and constant_value(tensor) is not None
+
+
+def is_scalar_constant(tensor: gs.Tensor | None, expected: float | None = None, rtol: float = 1e-6) -> bool:
+    """True when ``tensor`` is a constant with a single distinct value (equal to ``expected`` if given)."""
+    value = constant_value(tensor)
+    if value is None or value.size == 0:
+        return False
+    flat = value.ravel()
+    if not np.all(flat == flat[0]):
+        return False
+    return expected is None or bool(np.isclose(float(flat[0]), expected, rtol=rtol, atol=0.0))
+
+
+def scalar(tensor: gs.Tensor | None) -> float | None:
+    value = constant_value(tensor)
+    if value is None or value.size == 0 or not np.all(value.ravel() == value.ravel()[0]):
+        return None
+    return float(value.ravel()[0])
+
+
+def other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
+    """For a binary node, the input that is not ``tensor``."""
+    if len(node.inputs) != 2:
+        return None
+    if node.inputs[0] is tensor:
+        return node.inputs[1]
+    if node.inputs[1] is tensor:
+        return node.inputs[0]
+    return None
+
+
+def can_replace(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> bool:
+    """Whether :func:`replace_all_uses` may substitute ``new`` for ``old``.
+
+    A graph output can be replaced only by a computed tensor that is not itself part
+    of the interface: renaming a graph input, a constant or another output would
+    change what the model exposes.
+    """
+    if old not in graph.outputs:
+        return True
+    return not (isinstance(new, gs.Constant) or new in graph.inputs or new in graph.outputs)
+
+
+def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Make every consumer of ``old`` (and the graph outputs) read ``new`` instead.
+
+    When ``old`` is a graph output, the output keeps its name: ``new`` takes the name
+    (and ``old`` gets a fresh one) so that the model's interface does not change.
+    Check :func:`can_replace` first.
+    """
+    if not can_replace(graph, old, new):
+        raise ValueError(f"cannot replace graph output '{old.name}' by interface tensor '{new.name}'")
+    # Subgraphs capture outer tensors by object, so rewiring consumers covers them too.
+    for consumer in list(old.outputs):
+        for index, tensor in enumerate(consumer.inputs):
+            if tensor is old:
+                consumer.inputs[index] = new  # element-wise: graphsurgeon's lists reject slice assignment
+    if old in graph.outputs:
+        name, dtype, shape = old.name, old.dtype, old.shape
+        old.name = f"{name}__replaced"
+        new.name = name
+        if new.dtype is None:
+            new.dtype = dtype
+        if new.shape is None:
+            new.shape = shape
+        graph.outputs = [new if t is old else t for t in graph.outputs]
+
+
+def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value: np.ndarray) -> gs.Constant:
+    """A new initializer with a fresh name (0-d values stay 0-d, unlike ``np.ascontiguousarray``)."""
+    array = np.asarray(value)
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    return gs.Constant(ctx.unique_name(ir, prefix), array)
+
+
+def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor], *, name_hint: str,
+              attrs: dict | None = None, num_outputs: int = 1, dtype=None, shape=None,
+              domain: str | None = None) -> gs.Node:
+    """Append a node with a fresh name and fresh output tensors to the main graph."""
+    outputs = [gs.Variable(ctx.unique_name(ir, f"{name_hint}_out"), dtype=dtype, shape=shape) for _ in range(num_outputs)]
+    node = gs.Node(op=op, name=ctx.unique_name(ir, name_hint), attrs=attrs or {}, inputs=list(inputs), outputs=outputs,
+                   domain=domain)
+    ir.graph.nodes.append(node)
+    return node
+
+
+def drop_nodes(graph: gs.Graph, nodes: Iterable[gs.Node]) -> None:
+    """Disconnect nodes so that ``graph.cleanup()`` removes them (call it at the end of the pass)."""
+    for node in nodes:
+        node.outputs.clear()
+        node.inputs.clear()
+
+
+def finish(ir: IRModel) -> None:
+    """Remove what rewrites left unreachable and restore a topological order."""
+    ir.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True).toposort()
+
+
+def last_axis(axis: int, rank: int | None) -> bool:
+    """True when ``axis`` names the last dimension of a tensor of ``rank``."""
+    if rank is None:
+        return axis == -1
+    return axis in (-1, rank - 1)
+
+
+# --- data-movement emitters (formerly the layout family's helpers) ---------------------
+
+
+def static_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
+    """The tensor's shape when every dimension is a known non-negative integer."""
+    if tensor is None or tensor.shape is None:
+        return None
+    if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in tensor.shape):
+        return None
+    return tuple(int(d) for d in tensor.shape)
+
+
+def input_value(node: gs.Node, index: int) -> np.ndarray | None:
+    """The constant value of an optional input; None when absent, empty-named or not constant."""
+    if index >= len(node.inputs) or not node.inputs[index].name:
+        return None
+    return constant_value(node.inputs[index])
+
+
+def only_consumer(graph: gs.Graph, tensor: gs.Tensor) -> gs.Node | None:
+    """The single node reading ``tensor`` (which must not be a graph output)."""
+    if len(tensor.outputs) != 1 or tensor in graph.outputs:
+        return None
+    return tensor.outputs[0]
+
+
+def constant(ir: IRModel, ctx: PassContext, prefix: str, value) -> gs.Constant:
+    """A new initializer; unlike ``rewrite.make_constant`` it keeps 0-d values 0-d."""
+    return gs.Constant(ctx.unique_name(ir, prefix), np.array(value, copy=True, order="C"))
+
+
+def emit(ir: IRModel, ctx: PassContext, op: str, inputs: list[gs.Tensor], *, hint: str, dtype, shape,
+         attrs: dict | None = None) -> gs.Tensor:
+    """Append one node and return its output (with dtype and shape set)."""
+    node = make_node(ir, ctx, op, inputs, name_hint=hint, attrs=attrs, dtype=dtype,
+                     shape=list(shape) if shape is not None else None)
+    return node.outputs[0]
+
+
+def emit_reshape(ir: IRModel, ctx: PassContext, x: gs.Tensor, shape: Sequence[int], hint: str = "reshape") -> gs.Tensor:
+    target = constant(ir, ctx, f"{hint}_shape", np.asarray(shape, dtype=np.int64))
+    return emit(ir, ctx, "Reshape", [x, target], hint=hint, dtype=x.dtype, shape=shape)
+
+
+def emit_transpose(ir: IRModel, ctx: PassContext, x: gs.Tensor, perm: Sequence[int], shape: Sequence[int],
+                   hint: str = "transpose") -> gs.Tensor:
+    return emit(ir, ctx, "Transpose", [x], hint=hint, dtype=x.dtype, shape=shape, attrs={"perm": [int(p) for p in perm]})
+
+
+def emit_gather(ir: IRModel, ctx: PassContext, x: gs.Tensor, axis: int, indices: np.ndarray, shape: Sequence[int],
+                hint: str = "gather") -> gs.Tensor:
+    idx = constant(ir, ctx, f"{hint}_indices", np.asarray(indices, dtype=np.int64))
+    return emit(ir, ctx, "Gather", [x, idx], hint=hint, dtype=x.dtype, shape=shape, attrs={"axis": int(axis)})
+
+
+def emit_slice(ir: IRModel, ctx: PassContext, x: gs.Tensor, starts, ends, axes, steps, shape: Sequence[int],
+               hint: str = "slice") -> gs.Tensor:
+    consts = [constant(ir, ctx, f"{hint}_{k}", np.asarray(v, dtype=np.int64))
+              for k, v in (("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps))]
+    return emit(ir, ctx, "Slice", [x, *consts], hint=hint, dtype=x.dtype, shape=shape)
+
+
+def swap(tensors, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Replace ``old`` by ``new`` in a node's inputs or outputs (graphsurgeon rejects slice assignment)."""
+    for index, tensor in enumerate(tensors):
+        if tensor is old:
+            tensors[index] = new
+
+
+def redirect(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Make every reader of ``old`` (and the graph outputs) read ``new``.
+
+    Like ``rewrite.replace_all_uses``, but also when ``new`` cannot take the output's name
+    (a graph input, a constant or another graph output): then an Identity keeps the interface.
+    """
+    if can_replace(graph, old, new):
+        replace_all_uses(graph, old, new)
+        return
+    for consumer in list(old.outputs):
+        swap(consumer.inputs, old, new)
+    for node in list(old.inputs):  # the old producer keeps a dead output in its slot
+        swap(node.outputs, old, gs.Variable(f"{old.name}__dead"))
+    graph.nodes.append(gs.Node("Identity", name=f"{old.name}_identity", inputs=[new], outputs=[old]))
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
