@@ -1,0 +1,118 @@
+"""The ``llm.json`` manifest: what a runtime needs to drive a prefill + decode pair.
+
+``qnnpasses llm`` writes it beside the graphs; a runner (``qnnpasses generate``) reads it
+with :func:`load_manifest`.  Schema ``qnnpasses-llm/1``::
+
+    {"format": "qnnpasses-llm/1", "source": "<input file name>", "context": N, "prefill": M,
+     "layers": L, "kv_heads": H, "head_dim": D, "vocab": V, "precision": "fp16",
+     "kv_layout": {"key": "BHSD", "value": "BHSD"}, "kv_dtype": "float32",
+     "weight_sharing": "shared" | "separate" | "none",
+     "graphs": {
+       "prefill": {"tokens": M, "past": N - M,
+          "parts": [{"onnx": "prefill.onnx", "compiled": "prefill_ctx.onnx" or null,
+                     "inputs": [...], "outputs": [...]}],
+          "roles": {"input_ids": name, "attention_mask": name, "position_ids": name or null,
+                    "past_key": [per layer], "past_value": [...], "logits": name,
+                    "new_key": [...], "new_value": [...]},
+          "io": {name: {"dtype": "int32|int64|float32|float16", "shape": [..]}}},
+       "decode": {... "tokens": 1, "past": N - 1 ...}}}
+
+Semantics of one call of a graph with ``tokens`` = S and ``past`` = P:
+
+* ``attention_mask`` ``[1, P + S]``: the first P entries are the cache slots (1 iff the slot
+  holds a valid entry, i.e. slot < valid_len), the last S the new tokens (1 real, 0 padding);
+* ``position_ids`` ``[1, S]``: absolute positions of the new tokens (valid_len, valid_len+1, ...);
+  the graphs always have this input (``qnnpasses llm`` exposes it when the export derived the
+  positions from the past length);
+* ``past_key[i]`` / ``past_value[i]`` ``[1, H, P, D]`` (layout ``BHSD``): cache slots 0..P-1;
+* ``new_key[i]`` / ``new_value[i]`` ``[1, H, S, D]``: K/V of the new tokens only; the runner
+  writes them at slots valid_len... of its cache itself;
+* ``logits`` ``[1, S, V]``.
+
+Paths in ``parts`` are relative to the manifest's folder.  With several parts, run them in
+order, feeding each part from a dict of every tensor produced so far (graph inputs and earlier
+parts' outputs) by name; the graph's outputs are the union of the parts' outputs.  Integer
+inputs keep the dtype the graph has after lowering (``io`` says which).  ``weight_sharing``:
+``shared`` when both compiled graphs live in one weight-shared QNN context, ``separate`` when
+each has its own context, ``none`` when nothing was compiled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FORMAT = "qnnpasses-llm/1"
+GRAPHS = ("prefill", "decode")
+ROLE_KEYS = ("input_ids", "attention_mask", "position_ids", "past_key", "past_value",
+             "logits", "new_key", "new_value")
+MANIFEST_NAME = "llm.json"
+
+
+class ManifestError(ValueError):
+    """The manifest is missing, unreadable or not ``qnnpasses-llm/1``."""
+
+
+def validate_manifest(data: dict[str, Any]) -> dict[str, Any]:
+    """Check the fields a runner relies on; return ``data`` unchanged."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ManifestError(f"not a {FORMAT} manifest")
+    for key in ("context", "prefill", "layers", "kv_heads", "head_dim", "vocab", "graphs"):
+        if key not in data:
+            raise ManifestError(f"manifest lacks {key!r}")
+    for name in GRAPHS:
+        graph = data["graphs"].get(name)
+        if not isinstance(graph, dict):
+            raise ManifestError(f"manifest lacks graph {name!r}")
+        for key in ("tokens", "past", "parts", "roles", "io"):
+            if key not in graph:
+                raise ManifestError(f"graph {name!r} lacks {key!r}")
+        if graph["tokens"] + graph["past"] != data["context"]:
+            raise ManifestError(f"graph {name!r}: tokens + past != context")
+        missing = [k for k in ROLE_KEYS if k not in graph["roles"]]
+        if missing:
+            raise ManifestError(f"graph {name!r} lacks roles {missing}")
+        for role in ("past_key", "past_value", "new_key", "new_value"):
+            if len(graph["roles"][role]) != data["layers"]:
+                raise ManifestError(f"graph {name!r}: {role} has not one entry per layer")
+        if not graph["parts"]:
+            raise ManifestError(f"graph {name!r} has no parts")
+    return data
+
+
+def write_manifest(out_dir: str | Path, data: dict[str, Any]) -> Path:
+    """Validate and write ``out_dir/llm.json``."""
+    validate_manifest(data)
+    path = Path(out_dir) / MANIFEST_NAME
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    """Read a manifest (``path`` is the folder or the ``llm.json`` file) and validate it.
+
+    Adds ``"dir"``: the manifest's folder as a string, to resolve the part paths against.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot read {path.name}: {exc}") from None
+    validate_manifest(data)
+    data["dir"] = str(path.parent)
+    return data
+
+
+def part_paths(manifest: dict[str, Any], graph: str, *, compiled: bool) -> list[Path]:
+    """The files of ``graph``'s parts in run order (compiled EPContext models if asked)."""
+    root = Path(manifest.get("dir", "."))
+    out = []
+    for part in manifest["graphs"][graph]["parts"]:
+        name = part["compiled"] if compiled else part["onnx"]
+        if name is None:
+            raise ManifestError(f"graph {graph!r} was not compiled")
+        out.append(root / name)
+    return out
