@@ -45,7 +45,20 @@ from qnnpasses.passes.attention._mask import mask_cone, rows_keep
 from qnnpasses.passes.attention._match import NaNGuard, find_guard
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    CASE_GIVEN,
+    CASE_MASKED,
+    CASE_PADDED_RIGHT,
+    CASE_RANDOM,
+    FINITE_MASKS,
+    FOLDED,
+    INT32_INDICES,
+    Pass,
+    PassContext,
+    PassResult,
+    assumes,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import (
     constant_value,
     finish,
@@ -58,6 +71,11 @@ from qnnpasses.passmanager.rewrite import (
 class AttentionCleanup(Pass):
     name = "attention-cleanup"
     summary = "Where(IsNaN(Softmax)) guards proven dead -> removed; -inf/finfo.min masks -> finite mask_value (-1e4)"
+    # a fully masked row (left padding) changes from uniform to softmax(scores): meaningless either way
+    contract = assumes("every query row keeps a visible key and score spreads stay below |mask_value|",
+                       holds_on=(CASE_RANDOM, CASE_PADDED_RIGHT, CASE_MASKED, CASE_GIVEN))
+    requires = frozenset({FOLDED, INT32_INDICES})
+    ensures = frozenset({FINITE_MASKS})
 
     @dataclass
     class Options:

@@ -26,7 +26,16 @@ from qnnpasses.passes.attention._grouped import GroupedRewriter
 from qnnpasses.passes.attention._match import find_attentions
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    ATTENTION_REWRITTEN,
+    EXACT,
+    FINITE_MASKS,
+    FOLDED,
+    Pass,
+    PassContext,
+    PassResult,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import finish
 
 
@@ -34,6 +43,9 @@ from qnnpasses.passmanager.rewrite import finish
 class GqaBroadcast(Pass):
     name = "gqa-broadcast"
     summary = "repeat_kv (Unsqueeze/Expand/Reshape of K,V) + attention => grouped attention, Q as [B,kvH,G*S,D]"
+    contract = EXACT
+    requires = frozenset({FOLDED, FINITE_MASKS})
+    ensures = frozenset({ATTENTION_REWRITTEN})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         reasons: list[str] = []

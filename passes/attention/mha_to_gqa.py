@@ -19,6 +19,7 @@ as ``kv_cache_bytes_per_token_saved``) and the K/V projection weights by the sam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,7 @@ from qnnpasses.passes.attention._proj import (
 )
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import FINITE_MASKS, FOLDED, Pass, PassContext, PassResult, approximate, register_pass
 from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant
 
 
@@ -47,7 +48,10 @@ from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant
 class MhaToGqa(Pass):
     name = "mha-to-gqa"
     summary = "MHA -> GQA: mean-pool K/V projection heads in groups of G, grouped attention (lossy)"
-    lossless = False
+    contract = approximate(why="K/V heads mean-pooled in groups (the GQA paper uptrains afterwards); deviation recorded, "
+                               "not bounded", atol=math.inf, min_cosine=-1.0)
+    requires = frozenset({FOLDED, FINITE_MASKS})
+    ensures = frozenset()
 
     @dataclass
     class Options:

@@ -32,13 +32,29 @@ import numpy as np
 from qnnpasses.passes.attention.attention_cleanup import AttentionCleanup
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    CASE_GIVEN,
+    CASE_MASKED,
+    CASE_PADDED_LEFT,
+    CASE_PADDED_RIGHT,
+    CASE_RANDOM,
+    FINITE_MASKS,
+    Pass,
+    PassContext,
+    PassResult,
+    assumes,
+    register_pass,
+)
 
 
 @register_pass
 class QuantMask(Pass):
     name = "quant-mask"
     summary = "attention mask -1e4/finfo.min => -(calibrated score spread + margin): small range for QDQ"
+    contract = assumes("unmasked score spreads stay below the calibrated spread + margin",
+                       holds_on=(CASE_RANDOM, CASE_PADDED_RIGHT, CASE_PADDED_LEFT, CASE_MASKED, CASE_GIVEN))
+    requires = frozenset({FINITE_MASKS})
+    ensures = frozenset()
 
     @dataclass
     class Options:

@@ -30,7 +30,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.ir.checks import refresh_shapes
 from qnnpasses.ir.index_map import MOVERS, apply_op
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import ATTENTION_REWRITTEN, EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import (
     constant,
     finish,
@@ -151,6 +151,9 @@ def match_rotation(graph: gs.Graph, concat: gs.Node, opset: int) -> tuple[gs.Ten
 class Rotary(Pass):
     name = "rotary"
     summary = "rotate_half(x) = Concat(Neg(Slice), Slice) (any signed last-axis permutation) => MatMul(x, R)"
+    contract = EXACT
+    requires = frozenset({FOLDED})
+    ensures = frozenset({ATTENTION_REWRITTEN})
 
     @dataclass
     class Options:

@@ -7,13 +7,16 @@ unused, so the model's interface does not change.
 from __future__ import annotations
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
 
 
 @register_pass
 class Cleanup(Pass):
     name = "cleanup"
     summary = "dead-code removal and a topological sort"
+    contract = EXACT
+    requires = frozenset()
+    ensures = frozenset()
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         before = len(ir.graph.nodes)

@@ -36,7 +36,7 @@ from qnnpasses.passes.fold._constants import FoldReport, fold_graph
 
 from qnnpasses.ir.checks import check_model
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
 
 SHAPE_OPS = ("Shape", "ConstantOfShape", "Range", "Size")
 
@@ -50,6 +50,9 @@ def _signature(graph: gs.Graph) -> tuple:
 class Simplify(Pass):
     name = "simplify"
     summary = "constant & shape-arithmetic folding (onnxsim + own), Constant->initializer, no-op and dead-code removal"
+    contract = EXACT
+    requires = frozenset()
+    ensures = frozenset({FOLDED})
 
     @dataclass
     class Options:

@@ -28,7 +28,7 @@ from qnnpasses.passes.layout._forms import Form, cheapest_form
 from qnnpasses.ir.checks import refresh_shapes
 from qnnpasses.ir.index_map import index_map
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, NO_GATHERND, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish, input_value, redirect, static_shape
 
 GENERAL_COST = 3  # forms costing fewer ops than Reshape + Gather (+ Reshape) are preferred
@@ -78,6 +78,9 @@ def plan(node: gs.Node, opset: int) -> tuple[Form, str] | tuple[None, str]:
 class GatherNDToGather(Pass):
     name = "gathernd"
     summary = "GatherND(data, constant indices) => Reshape / Slice / Gather (HTP has no GatherND)"
+    contract = EXACT
+    requires = frozenset({FOLDED})
+    ensures = frozenset({NO_GATHERND})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         stats: dict = {"rewritten": 0}

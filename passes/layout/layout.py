@@ -39,7 +39,16 @@ from qnnpasses.passes.layout._weights import (
 
 from qnnpasses.ir.checks import refresh_shapes
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    ATTENTION_REWRITTEN,
+    EXACT,
+    FOLDED,
+    NORMS_FINAL,
+    Pass,
+    PassContext,
+    PassResult,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import finish
 
 #: Family name -> rewrite, in the order a sweep runs them.  Weight folding comes first:
@@ -64,6 +73,9 @@ def _switch(text: str) -> bool:
 class Layout(Pass):
     name = "layout"
     summary = "cancel/merge Transposes and Reshapes, fold data movement into weights, 2-D row regions"
+    contract = EXACT
+    requires = frozenset({FOLDED, ATTENTION_REWRITTEN, NORMS_FINAL})
+    ensures = frozenset()
 
     @dataclass
     class Options:

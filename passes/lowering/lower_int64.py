@@ -42,7 +42,16 @@ from qnnpasses.passes.lowering._ranges import (
 )
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    FOLDED,
+    INT32_INDICES,
+    NO_GATHERND,
+    Pass,
+    PassContext,
+    PassResult,
+    changes_interface,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import finish, make_constant, make_node
 
 I64, I32 = np.dtype(np.int64), np.dtype(np.int32)
@@ -152,6 +161,9 @@ class Lowering:
 class LowerInt64(Pass):
     name = "lower-int64"
     summary = "int64 compute (token/position ids, gather indices, shape math, masks) -> int32 where provably exact"
+    contract = changes_interface("int64 compute becomes int32; with inputs=true int64 graph inputs become int32")
+    requires = frozenset({FOLDED, NO_GATHERND})
+    ensures = frozenset({INT32_INDICES})
 
     @dataclass
     class Options:

@@ -26,7 +26,7 @@ from qnnpasses.op_support.capability import htp_runs_gelu
 from qnnpasses.passes.norm._graph import Replacements, binary, const, unary
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, GELU_FUSED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish
 
 #: (op, domain) -> approximate form.
@@ -45,6 +45,9 @@ def _domain(node) -> str:
 class DecomposeGelu(Pass):
     name = "decompose-gelu"
     summary = "Gelu / com.microsoft Gelu, FastGelu, BiasGelu => Tanh form or Erf-free exact form"
+    contract = EXACT
+    requires = frozenset({GELU_FUSED})
+    ensures = frozenset()
 
     @dataclass
     class Options:

@@ -34,7 +34,7 @@ from qnnpasses.passes.norm._graph import (
 )
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, NORMS_FINAL, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish, make_constant, make_node
 
 
@@ -42,6 +42,9 @@ from qnnpasses.passmanager.rewrite import finish, make_constant, make_node
 class DecomposeLayerNorm(Pass):
     name = "decompose-layernorm"
     summary = "LayerNormalization (axis not last / rank > 4) => Reshape+LayerNorm(last) or fp16-safe primitives"
+    contract = EXACT
+    requires = frozenset({NORMS_FUSED})
+    ensures = frozenset({NORMS_FINAL})
 
     @dataclass
     class Options:

@@ -38,7 +38,16 @@ from qnnpasses.passes.norm._risk import (
 )
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    EXACT,
+    GELU_FUSED,
+    NORMS_FINAL,
+    NORMS_FUSED,
+    Pass,
+    PassContext,
+    PassResult,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import (
     finish,
     make_node,
@@ -51,6 +60,9 @@ from qnnpasses.passmanager.rewrite import (
 class FP16Safety(Pass):
     name = "fp16-safety"
     summary = "overflow-free RMSNorm/LayerNorm variance (per-row sqrt(max) scaling); Exp/ReduceSum/Div => Softmax"
+    contract = EXACT
+    requires = frozenset({NORMS_FUSED, NORMS_FINAL, GELU_FUSED})
+    ensures = frozenset()
 
     @dataclass
     class Options:

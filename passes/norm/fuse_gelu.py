@@ -35,7 +35,7 @@ from qnnpasses.passes.norm._signature import (
 )
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, GELU_FUSED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish, make_node, single_consumer
 
 GELU_OPSET = 20
@@ -85,6 +85,9 @@ def match_gelu(node, graph) -> GeluMatch | str:
 class FuseGelu(Pass):
     name = "fuse-gelu"
     summary = "0.5*x*(1+Erf(x/sqrt2)) / 0.5*x*(1+Tanh(sqrt(2/pi)(x+0.044715x^3))) => Gelu"
+    contract = EXACT
+    requires = frozenset({FOLDED})
+    ensures = frozenset({GELU_FUSED})
 
     @dataclass
     class Options:

@@ -26,7 +26,7 @@ from qnnpasses.passes.norm._match import NormMatch, find_norms
 from qnnpasses.passes.norm._opset import fuse_at_opset
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import make_constant, make_node
 
 LAYERNORM_OPSET = 17
@@ -36,6 +36,9 @@ LAYERNORM_OPSET = 17
 class FuseLayerNorm(Pass):
     name = "fuse-layernorm"
     summary = "ReduceMean->Sub->Pow->ReduceMean->Add(eps)->Sqrt->Div[->Mul(g)->Add(b)] => LayerNormalization"
+    contract = EXACT
+    requires = frozenset({FOLDED})
+    ensures = frozenset({NORMS_FUSED})
 
     @dataclass
     class Options:

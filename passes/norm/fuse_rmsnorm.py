@@ -32,7 +32,7 @@ from qnnpasses.passes.norm._match import NormMatch, find_norms
 from qnnpasses.passes.norm._opset import fuse_at_opset
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import make_constant, make_node
 
 RMS_OPSET = 23
@@ -42,6 +42,9 @@ RMS_OPSET = 23
 class FuseRMSNorm(Pass):
     name = "fuse-rmsnorm"
     summary = "Pow(x,2)->ReduceMean->Add(eps)->Sqrt->Div/Reciprocal->Mul(x)[->Mul(w)] => RMSNormalization"
+    contract = EXACT
+    requires = frozenset({FOLDED})
+    ensures = frozenset({NORMS_FUSED})
 
     @dataclass
     class Options:

@@ -27,13 +27,16 @@ from qnnpasses.passes.shapes._symbols import SymbolTable, decode_step, resolve_i
 from qnnpasses.ir.checks import infer_proto
 from qnnpasses.ir.model import IRModel
 from qnnpasses.ir.shapes import DEFAULT_BATCH, DEFAULT_PAST, DEFAULT_SEQUENCE, is_static
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, STATIC_SHAPES, changes_interface, register_pass
 
 
 @register_pass
 class FixShapes(Pass):
     name = "fix-shapes"
     summary = "symbolic input/output dims (batch, sequence, past, 'past + 1') -> static dims"
+    contract = changes_interface("symbolic input/output dims become the static dims of its options")
+    requires = frozenset()
+    ensures = frozenset({STATIC_SHAPES})
 
     @dataclass
     class Options:

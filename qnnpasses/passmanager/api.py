@@ -6,7 +6,9 @@ A pass is a small class registered with :func:`register_pass`::
     class DropIdentity(Pass):
         name = "drop-identity"
         summary = "Identity(X) -> X"
-        lossless = True
+        contract = EXACT
+        requires = frozenset({"folded"})
+        ensures = frozenset()
 
         @dataclass
         class Options:
@@ -18,19 +20,42 @@ A pass is a small class registered with :func:`register_pass`::
 
 What it declares, the pass manager enforces:
 
-============  =================================================================
-``lossless``  False: runs only with ``allow_lossy``; verification records the
-              deviation instead of rolling back.
-``requires``  properties the graph must have first (``"static-shapes"``); the
-              pass is skipped with the reason when they do not hold.
-``Options``   a dataclass: typed options with defaults, settable from the
-              textual pipeline (``name{key=value}``).
-============  =================================================================
+==============  ===============================================================
+``contract``    what the pass guarantees about the outputs (below); the manager
+                verifies exactly that under ``--verify``.
+``requires``    properties (:func:`register_property`) the graph must have first.
+                One with a checker that does not hold: the pass is skipped with
+                the reason.  Every one orders the pass after the passes that
+                ``ensure`` it when a pipeline is derived (:func:`derive_order`).
+``ensures``     properties that hold after the pass; checked where a checker exists.
+``Options``     a dataclass: typed options with defaults, settable from the
+                textual pipeline (``name{key=value}``).
+==============  ===============================================================
 
-A pass works in place on ``ir.graph``.  It must not modify constant arrays in place
-(they may be memory maps of the input's weights, and the manager's rollback copy
-shares them): make a new ``gs.Constant`` instead.  Built-in and plugin passes use
-exactly this API.
+Contracts:
+
+==================================  ==================================================
+``EXACT``                           rounding-level: verified with the tight tolerance
+                                    (``--atol/--rtol/--min-cosine``) on every case.
+``approximate(atol=, rtol=,         within its stated tolerance, verified with it.
+min_cosine=, why=)``                Runs by default only when that tolerance is
+                                    small (:data:`SMALL_TOLERANCE`); a larger one
+                                    (``mha-to-gqa``) needs ``--allow-lossy``.
+``assumes("what", holds_on=...)``   exact where the assumption holds: verified with
+                                    the tight tolerance on the verification cases
+                                    that satisfy it (``holds_on``, e.g. inputs
+                                    without fully masked rows, calibration data).
+``changes_interface("what")``       input/output shapes, dtypes or names change:
+                                    verified with the tight tolerance through the
+                                    pass's mapping (:meth:`Pass.planned_input_shapes`,
+                                    :meth:`Pass.output_renames`, dtype narrowing).
+==================================  ==================================================
+
+Whether a pass changed the graph is decided by the manager from the graph (a
+structural fingerprint), not from ``PassResult.changed``.  A pass works in place on
+``ir.graph``.  It must not modify constant arrays in place (they may be memory maps of
+the input's weights, and the manager's rollback copy shares them): make a new
+``gs.Constant`` instead.  Built-in and plugin passes use exactly this API.
 """
 
 from __future__ import annotations
@@ -40,6 +65,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import itertools
+import math
 import pkgutil
 import sys
 import types
@@ -53,8 +79,161 @@ from qnnpasses.ir.model import IRModel
 
 Stat = typing.Union[int, float, str]
 ENTRY_POINT_GROUP = "qnnpasses.passes"
-STATIC_SHAPES = "static-shapes"
-KNOWN_REQUIREMENTS = frozenset({STATIC_SHAPES})
+
+# --------------------------------------------------------------------------- contracts
+
+EXACT_KIND, APPROXIMATE_KIND, ASSUMES_KIND, INTERFACE_KIND = "exact", "approximate", "assumes", "changes-interface"
+
+# Verification cases (qnnpasses.backends.cpu.verification_cases makes them):
+CASE_RANDOM = "random"             # seeded random values, masks of ones
+CASE_PADDED_RIGHT = "padded-right"  # mask inputs with zeros at the end (padding keys/queries)
+CASE_PADDED_LEFT = "padded-left"    # zeros at the start: causal models get fully masked query rows
+CASE_MASKED = "masked"              # scattered zeros in masks, the first position kept
+CASE_EXTREME = "extreme"            # large-magnitude float inputs, the largest valid token ids
+CASE_GIVEN = "given"                # --inputs / --calib samples
+ALL_CASES = frozenset({CASE_RANDOM, CASE_PADDED_RIGHT, CASE_PADDED_LEFT, CASE_MASKED, CASE_EXTREME, CASE_GIVEN})
+
+# An approximation whose stated tolerance is within these bounds runs by default;
+# a looser one needs allow_lossy (--allow-lossy).
+SMALL_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3, "min_cosine": 0.9999}
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a pass guarantees about the model's outputs; see the module docstring."""
+
+    kind: str
+    statement: str = ""                    # why (approximate) / the assumption / the interface change
+    atol: float | None = None              # approximate: its own tolerance
+    rtol: float | None = None
+    min_cosine: float | None = None
+    holds_on: frozenset[str] = ALL_CASES   # the verification cases it is checked on
+
+    @property
+    def needs_opt_in(self) -> bool:
+        """True when the pass runs only with ``allow_lossy``."""
+        if self.kind != APPROXIMATE_KIND:
+            return False
+        return not (self.atol <= SMALL_TOLERANCE["atol"] and self.rtol <= SMALL_TOLERANCE["rtol"]
+                    and self.min_cosine >= SMALL_TOLERANCE["min_cosine"])
+
+    def tolerance(self, atol: float, rtol: float, min_cosine: float) -> tuple[float, float, float]:
+        """The tolerance this contract is verified with, given the run's tight one."""
+        if self.kind == APPROXIMATE_KIND:
+            return self.atol, self.rtol, self.min_cosine
+        return atol, rtol, min_cosine
+
+    def describe(self) -> str:
+        if self.kind == EXACT_KIND:
+            return "exact"
+        if self.kind == APPROXIMATE_KIND:
+            bound = f"atol={self.atol:g}, rtol={self.rtol:g}, cosine>={self.min_cosine:g}"
+            lossy = ", needs --allow-lossy" if self.needs_opt_in else ""
+            return f"approximate ({bound}{lossy}): {self.statement}"
+        if self.kind == ASSUMES_KIND:
+            return f"exact assuming {self.statement} (verified on: {', '.join(sorted(self.holds_on))})"
+        return f"changes the interface: {self.statement}"
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "text": self.describe()}
+        if self.statement:
+            out["statement"] = self.statement
+        if self.kind == APPROXIMATE_KIND:
+            out.update(atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine, needs_opt_in=self.needs_opt_in)
+        if self.holds_on != ALL_CASES:
+            out["verified_on"] = sorted(self.holds_on)
+        return out
+
+
+EXACT = Contract(EXACT_KIND)
+
+
+def approximate(*, why: str, atol: float = 0.0, rtol: float = 0.0, min_cosine: float = 1.0) -> Contract:
+    """Outputs move by at most ``atol + rtol*max|ref|`` with cosine >= ``min_cosine``, because ``why``.
+
+    ``atol=math.inf, min_cosine=-1`` states no bound: the deviation is recorded, never enforced.
+    """
+    if not why:
+        raise TypeError("approximate(...) needs why=: what the approximation is")
+    if atol < 0 or rtol < 0 or not -1.0 <= min_cosine <= 1.0:
+        raise TypeError("approximate(...): atol, rtol >= 0 and -1 <= min_cosine <= 1")
+    return Contract(APPROXIMATE_KIND, why, float(atol), float(rtol), float(min_cosine))
+
+
+def assumes(what: str, *, holds_on: typing.Iterable[str] = (CASE_RANDOM, CASE_GIVEN)) -> Contract:
+    """Exact when ``what`` holds; verified on the cases in ``holds_on`` (inputs that satisfy it)."""
+    cases = frozenset(holds_on)
+    if not what or not cases or cases - ALL_CASES:
+        raise TypeError(f"assumes(...) needs the assumption and cases from {sorted(ALL_CASES)}")
+    return Contract(ASSUMES_KIND, what, holds_on=cases)
+
+
+def changes_interface(what: str) -> Contract:
+    """Input/output shapes, dtypes or names change (``what``); verified through the pass's mapping."""
+    if not what:
+        raise TypeError("changes_interface(...) needs a description of the change")
+    return Contract(INTERFACE_KIND, what)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@dataclass(frozen=True)
+class Property:
+    """A named fact about a graph that passes require or ensure.
+
+    ``check(ir)`` returns ``""`` when the property holds, else the reason it does not;
+    a property without a checker only orders passes (the manager cannot test it).
+    """
+
+    name: str
+    summary: str
+    check: typing.Callable[[IRModel], str] | None = None
+
+
+_PROPERTIES: dict[str, Property] = {}
+
+
+def register_property(name: str, summary: str, check: typing.Callable[[IRModel], str] | None = None) -> Property:
+    """Declare a property passes may require or ensure (plugins declare their own first)."""
+    if not name or any(c in name for c in ",{}()= "):
+        raise TypeError(f"property name needs no spaces or ,{{}}()= (got {name!r})")
+    existing = _PROPERTIES.get(name)
+    if existing is not None and (existing.summary, existing.check) != (summary, check):
+        raise TypeError(f"property '{name}' is already registered: {existing.summary}")
+    _PROPERTIES[name] = Property(name, summary, check)
+    return _PROPERTIES[name]
+
+
+def registered_properties() -> dict[str, Property]:
+    return dict(sorted(_PROPERTIES.items()))
+
+
+def get_property(name: str) -> Property:
+    if name not in _PROPERTIES:
+        raise PipelineSpecError(f"unknown property '{name}' (known: {', '.join(sorted(_PROPERTIES))})")
+    return _PROPERTIES[name]
+
+
+def _static_shapes_reason(ir: IRModel) -> str:
+    from qnnpasses.ir.shapes import has_static_shapes
+
+    if has_static_shapes(ir.graph):
+        return ""
+    return "needs static input shapes; give --shape NAME=D0,D1,... or run fix-shapes first"
+
+
+STATIC_SHAPES = register_property("static-shapes", "every graph input and output has static dims",
+                                  _static_shapes_reason).name
+FOLDED = register_property("folded", "constant and shape arithmetic folded, Constant nodes are initializers").name
+INT32_INDICES = register_property("int32-indices", "int64 compute narrowed to int32 where exact").name
+NO_GATHERND = register_property("no-gathernd", "GatherND with constant indices lowered to Gather/Slice/Reshape").name
+FINITE_MASKS = register_property("finite-masks", "attention masks are finite and NaN guards are gone").name
+ATTENTION_REWRITTEN = register_property(
+    "attention-rewritten", "attention blocks are in their final form (grouped, rotary as MatMul)").name
+NORMS_FUSED = register_property("norms-fused", "RMSNorm/LayerNorm subgraphs fused into single ops").name
+GELU_FUSED = register_property("gelu-fused", "GeLU subgraphs fused into Gelu").name
+NORMS_FINAL = register_property("norms-final", "normalizations in the form the HTP runs (fused, decomposed or fp16-safe)").name
 
 
 @dataclass
@@ -108,9 +287,20 @@ class Pass:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
-    lossless: ClassVar[bool] = True
+    contract: ClassVar[Contract] = EXACT
     requires: ClassVar[frozenset[str]] = frozenset()
+    ensures: ClassVar[frozenset[str]] = frozenset()
     Options: ClassVar[type] = NoOptions
+    lossless: ClassVar[bool] = True  # derived from contract (False: needs --allow-lossy); kept for old plugins
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__
+        if "lossless" in declared and "contract" not in declared and not declared["lossless"]:
+            # a plugin written against the boolean flag: lossy with no stated bound
+            cls.contract = approximate(why="declared lossless=False (no stated tolerance)", atol=math.inf,
+                                       min_cosine=-1.0)
+        cls.lossless = not cls.contract.needs_opt_in
 
     def __init__(self, options: Any = None, **values: Any):
         if options is not None and values:
@@ -125,6 +315,13 @@ class Pass:
 
         The manager makes its verification inputs with these shapes, so that the same
         inputs run before and after the pass.
+        """
+        return None
+
+    def output_renames(self, ir: IRModel, ctx: PassContext) -> dict[str, str] | None:
+        """Graph outputs this pass renames, old name -> new name (a ``changes_interface`` mapping).
+
+        Called before the pass runs; verification compares each old output to its new name.
         """
         return None
 
@@ -163,9 +360,17 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
         problems.append("needs a one-line summary")
     if not dataclasses.is_dataclass(cls.Options):
         problems.append("Options must be a dataclass")
-    unknown = set(cls.requires) - KNOWN_REQUIREMENTS
-    if unknown:
-        problems.append(f"requires unknown properties {sorted(unknown)}")
+    if not isinstance(cls.contract, Contract):
+        problems.append("contract must be EXACT, approximate(...), assumes(...) or changes_interface(...)")
+    for kind in ("requires", "ensures"):
+        declared = getattr(cls, kind)
+        if isinstance(declared, str) or not all(isinstance(p, str) for p in declared):
+            problems.append(f"{kind} must be a set of property names")
+            continue
+        unknown = set(declared) - set(_PROPERTIES)
+        if unknown:
+            problems.append(f"{kind} unknown properties {sorted(unknown)} (known: {', '.join(sorted(_PROPERTIES))}; "
+                            "declare new ones with register_property)")
     if problems:
         raise TypeError(f"pass {cls.__qualname__}: " + "; ".join(problems))
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
