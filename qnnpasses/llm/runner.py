@@ -1,0 +1,270 @@
+"""The generation loop of a deployed prefill + decode pair (``llm.json``, ``qnnpasses-llm/1``).
+
+:class:`Runner` owns the KV cache: one ``[1, kv_heads, context, head_dim]`` buffer per layer
+for keys and one for values, and ``valid_len``, the number of slots filled.  One call of a
+graph with ``tokens`` = S and ``past`` = P feeds
+
+* ``input_ids`` ``[1, S]`` (the last chunk padded with token 0),
+* ``attention_mask`` ``[1, P + S]``: 1 for cache slots below ``valid_len`` and for real new
+  tokens, 0 elsewhere,
+* ``position_ids`` ``[1, S]``: ``valid_len, valid_len + 1, ...``,
+* ``past_key[i]`` / ``past_value[i]``: cache slots ``0 .. P-1``,
+
+and writes the real tokens' ``new_key[i]`` / ``new_value[i]`` at slots ``valid_len ..``.
+The prompt goes through the prefill graph in chunks of M while a chunk fits
+(``valid_len <= context - M``); what remains, and every generated token, goes through the
+decode graph.  Decoding is greedy and stops after ``max_new_tokens`` or when prompt + new
+tokens fill the context.
+
+``on="cpu"`` runs the ``.onnx`` parts on onnxruntime's CPU provider; ``on="htp"`` runs the
+compiled EPContext parts when the manifest names them (else the ``.onnx`` parts) on the QNN
+HTP backend with CPU fallback disabled: fp16 mode for float graphs, integer mode (SoC named)
+for quantized ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnnpasses.llm.manifest import ManifestError, load_manifest
+
+DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
+PAD_TOKEN = 0
+ON = ("htp", "cpu")
+
+
+class RunnerError(ValueError):
+    """Unusable manifest, graph files or prompt; the message is one line for the user."""
+
+
+@dataclass
+class Generation:
+    """What :meth:`Runner.generate` did.  Times are wall seconds on this host."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    stopped: str  # "max_new_tokens" or "context_full"
+    prefill_calls: int = 0  # graph calls that took the prompt (prefill chunks, then decode steps)
+    decode_calls: int = 0  # decode steps for generated tokens
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    load_seconds: float = 0.0
+    on: str = "cpu"
+    files: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def decode_seconds_per_token(self) -> float | None:
+        return self.decode_seconds / self.decode_calls if self.decode_calls else None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["decode_seconds_per_token"] = self.decode_seconds_per_token
+        return data
+
+
+def _htp_session(path: Path, *, fp16: bool, shared: bool) -> Any:
+    from qnnpasses.backends.htp import htp_session
+
+    config = {"ep.share_ep_contexts": "1"} if shared else None
+    return htp_session(path, fp16=fp16, disable_cpu_fallback=True, session_config=config)
+
+
+def _cpu_session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+class _Graph:
+    """One graph of the pair: its roles, its part files and (once opened) their sessions."""
+
+    def __init__(self, manifest: dict[str, Any], name: str, on: str):
+        spec = manifest["graphs"][name]
+        self.name = name
+        self.tokens, self.past = int(spec["tokens"]), int(spec["past"])
+        self.roles, self.io = spec["roles"], spec["io"]
+        self.root = Path(manifest["dir"])
+        self.compiled = on == "htp" and all(p.get("compiled") for p in spec["parts"])
+        self.files = [p["compiled"] if self.compiled else p["onnx"] for p in spec["parts"]]
+        missing = [f for f in self.files if not (self.root / f).is_file()]
+        if missing:
+            raise RunnerError(f"{name} graph: missing file {missing[0]} in {self.root}")
+        self.on = on
+        self.fp16 = str(manifest.get("precision", "fp16")) == "fp16"
+        self.shared = self.compiled and manifest.get("weight_sharing") == "shared"
+        self.sessions: list[Any] = []
+        self.outputs: list[list[str]] = []
+
+    def open(self) -> None:
+        """Create the sessions (on the HTP this prepares or loads the graphs: slow)."""
+        for f in self.files[len(self.sessions):]:
+            path = self.root / f
+            session = _htp_session(path, fp16=self.fp16, shared=self.shared) if self.on == "htp" else _cpu_session(path)
+            self.sessions.append(session)
+            self.outputs.append([o.name for o in session.get_outputs()])
+
+    def dtype(self, role_name: str, default: Any) -> Any:
+        info = self.io.get(role_name)
+        return DTYPES.get(info["dtype"], default) if info else default
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every part in order, each fed by name from everything produced so far."""
+        values = dict(feeds)
+        for session, names in zip(self.sessions, self.outputs):
+            wanted = {i.name: values[i.name] for i in session.get_inputs()}
+            values.update(zip(names, session.run(names, wanted)))
+        return values
+
+
+class Runner:
+    """Drive the pair in ``directory`` (the folder holding ``llm.json``) on ``on``.
+
+    Sessions open on first use (:meth:`open`), so a bad prompt is refused before the slow part.
+    """
+
+    def __init__(self, directory: str | Path, on: str = "htp"):
+        if on not in ON:
+            raise RunnerError(f"unknown target {on!r} (expected one of {', '.join(ON)})")
+        if not Path(directory).exists():
+            raise RunnerError(f"{directory}: no such folder")
+        try:
+            self.manifest = load_manifest(directory)
+        except ManifestError as exc:
+            raise RunnerError(f"{directory}: {exc}") from None
+        m = self.manifest
+        self.on = on
+        try:
+            self.context, self.layers, self.vocab = int(m["context"]), int(m["layers"]), int(m["vocab"])
+            self.kv_heads, self.head_dim = int(m["kv_heads"]), int(m["head_dim"])
+        except (TypeError, ValueError):
+            raise RunnerError(f"{directory}: context, layers, vocab, kv_heads and head_dim must be integers") from None
+        for layout in m.get("kv_layout", {"key": "BHSD"}).values():
+            if layout != "BHSD":
+                raise RunnerError(f"KV layout {layout} is not supported by this runner (BHSD only)")
+        self.graphs = {name: _Graph(m, name, on) for name in ("prefill", "decode")}
+        self.load_seconds = 0.0
+        kv_dtype = DTYPES.get(str(m.get("kv_dtype", "float32")), np.float32)
+        shape = (1, self.kv_heads, self.context, self.head_dim)
+        self.keys = [np.zeros(shape, kv_dtype) for _ in range(self.layers)]
+        self.values = [np.zeros(shape, kv_dtype) for _ in range(self.layers)]
+        self.valid_len = 0
+
+    def open(self) -> None:
+        """Create every session now (timed as ``load_seconds``); later calls do nothing."""
+        if all(len(g.sessions) == len(g.files) for g in self.graphs.values()):
+            return
+        start = time.perf_counter()
+        for graph in self.graphs.values():
+            graph.open()
+        self.load_seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ one step
+
+    def reset(self) -> None:
+        """Forget the cache (the buffers' stale contents are masked out by ``valid_len``)."""
+        self.valid_len = 0
+
+    def check_ids(self, ids: list[int] | np.ndarray, what: str = "prompt") -> list[int]:
+        ids = [int(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise RunnerError(f"{what} token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})")
+        return ids
+
+    def step(self, graph_name: str, ids: list[int]) -> np.ndarray:
+        """Run ``ids`` (at most the graph's token count) at positions ``valid_len ..``;
+        store their K/V, advance ``valid_len``; the logits ``[len(ids), vocab]`` (float32)."""
+        self.open()
+        graph = self.graphs[graph_name]
+        count, v, roles = len(ids), self.valid_len, graph.roles
+        if not 0 < count <= graph.tokens:
+            raise RunnerError(f"{graph_name} takes 1..{graph.tokens} tokens, got {count}")
+        if v > graph.past or v + count > self.context:
+            raise RunnerError(f"{graph_name}: {v} cached + {count} new tokens do not fit context {self.context}")
+        s, p = graph.tokens, graph.past
+        tokens = np.full((1, s), PAD_TOKEN, dtype=graph.dtype(roles["input_ids"], np.int64))
+        tokens[0, :count] = ids
+        mask = np.zeros((1, p + s), dtype=graph.dtype(roles["attention_mask"], np.int64))
+        mask[0, :v] = 1
+        mask[0, p : p + count] = 1
+        feeds = {roles["input_ids"]: tokens, roles["attention_mask"]: mask}
+        if roles.get("position_ids"):
+            dtype = graph.dtype(roles["position_ids"], np.int64)
+            feeds[roles["position_ids"]] = np.arange(v, v + s, dtype=dtype)[None]
+        for i in range(self.layers):
+            for role, cache in (("past_key", self.keys), ("past_value", self.values)):
+                name = roles[role][i]
+                feeds[name] = cache[i][:, :, :p].astype(graph.dtype(name, cache[i].dtype), copy=False)
+        out = graph.run(feeds)
+        for i in range(self.layers):
+            for role, cache in (("new_key", self.keys), ("new_value", self.values)):
+                cache[i][:, :, v : v + count] = out[roles[role][i]][:, :, :count]
+        self.valid_len = v + count
+        return np.asarray(out[roles["logits"]][0, :count], dtype=np.float32)
+
+    def feed(self, ids: list[int]) -> tuple[np.ndarray, int]:
+        """Append ``ids`` to the cache: prefill chunks while they fit, then decode steps.
+        (the logits of every fed token ``[len(ids), vocab]``, the number of graph calls)."""
+        prefill, logits, done = self.graphs["prefill"], [], 0
+        while done < len(ids):
+            use_prefill = len(ids) - done > 1 and self.valid_len <= prefill.past
+            chunk = ids[done : done + (prefill.tokens if use_prefill else 1)]
+            logits.append(self.step("prefill" if use_prefill else "decode", chunk))
+            done += len(chunk)
+        return (np.concatenate(logits) if logits else np.zeros((0, self.vocab), np.float32)), len(logits)
+
+    # ------------------------------------------------------------------ the loops
+
+    def check_prompt(self, prompt_ids: list[int] | np.ndarray) -> list[int]:
+        """``prompt_ids`` as ints; RunnerError when empty, longer than the context or out of vocabulary."""
+        ids = self.check_ids(prompt_ids)
+        if not ids:
+            raise RunnerError("the prompt is empty")
+        if len(ids) > self.context:
+            raise RunnerError(f"the prompt has {len(ids)} tokens, more than the context ({self.context})")
+        return ids
+
+    def generate(self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int) -> Generation:
+        """Greedy generation from an empty cache: prefill the prompt, then decode."""
+        ids = self.check_prompt(prompt_ids)
+        if max_new_tokens < 0:
+            raise RunnerError("max_new_tokens must not be negative")
+        self.open()
+        self.reset()
+        result = Generation(tokens=[], prompt_tokens=len(ids), stopped="max_new_tokens", on=self.on,
+                            load_seconds=self.load_seconds, files={n: g.files for n, g in self.graphs.items()})
+        budget = min(max_new_tokens, self.context - len(ids))
+        if budget < max_new_tokens:
+            result.stopped = "context_full"
+        if budget == 0:
+            return result
+        start = time.perf_counter()
+        logits, result.prefill_calls = self.feed(ids)
+        result.prefill_seconds = time.perf_counter() - start
+        result.tokens.append(int(np.argmax(logits[-1])))
+        while len(result.tokens) < budget:
+            start = time.perf_counter()
+            logits, _ = self.feed(result.tokens[-1:])
+            result.decode_seconds += time.perf_counter() - start
+            result.decode_calls += 1
+            result.tokens.append(int(np.argmax(logits[-1])))
+        return result
+
+    def score(self, prompt_ids: list[int] | np.ndarray, continuation: list[int] | np.ndarray) -> np.ndarray:
+        """Teacher forcing: the logits of every position of ``prompt + continuation``
+        (``[len, vocab]``), the prompt fed as :meth:`generate` feeds it, each continuation
+        token through the decode graph as if it had been generated."""
+        ids = self.check_prompt(prompt_ids)
+        rest = self.check_ids(continuation, "continuation")
+        if len(ids) + len(rest) > self.context:
+            raise RunnerError(f"{len(ids) + len(rest)} tokens do not fit the context ({self.context})")
+        self.reset()
+        logits = [self.feed(ids)[0]]
+        for token in rest:
+            logits.append(self.feed([token])[0])
+        return np.concatenate(logits)
