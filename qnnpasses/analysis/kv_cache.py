@@ -22,7 +22,8 @@ from collections import Counter, deque
 
 from qnnpasses.analysis.graph import GraphView
 
-_SCORE_PATH_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Max", "Min", "Clip", "Identity"}
+# Concat: a static-cache graph scores the past and the new keys separately and joins the scores.
+_SCORE_PATH_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Max", "Min", "Clip", "Identity", "Concat"}
 _PROJECTIONS = {"MatMul", "Gemm", "Conv", "MatMulInteger", "QLinearMatMul", "Softmax", "MatMulNBits"}
 _PAST_RE = re.compile(r"past.*?(\d+).*?(key|value)|past_(key|value).*?(\d+)", re.IGNORECASE)
 _FUSED = {"GroupQueryAttention", "MultiHeadAttention", "Attention"}
@@ -102,10 +103,16 @@ def _heads_reshape(view: GraphView, node: int, head_dim: int) -> int | None:
     return int(dst[-2]) if dst[-2] * dst[-1] == src[-1] and dst[:-2] == src[:-1] else None
 
 
-def _block(view: GraphView, node: int) -> dict | None:
-    """Heads, KV heads, head dim and key length of the attention at score MatMul ``node``."""
+def _block(view: GraphView, node: int, softmax: int | None = None) -> dict | None:
+    """Heads, KV heads, head dim and key length of the attention at score MatMul ``node``.
+
+    The key length is the Softmax's (when given): with a split cache the MatMul scores only part of the keys.
+    """
     query, key = _activation_inputs(view, node)[:2]
     q_shape, out_shape = _shape(view, query), _shape(view, view.nodes[node].outputs[0].name)
+    scores = _shape(view, view.nodes[softmax].inputs[0].name) if softmax is not None and view.nodes[softmax].inputs else None
+    if out_shape and scores and len(scores) == len(out_shape):
+        out_shape = scores
     if not q_shape or not out_shape or len(out_shape) < 3:
         return None
     head_dim = int(q_shape[-1])
@@ -146,7 +153,7 @@ def attention_blocks(view: GraphView) -> list[dict]:
             qk = score_matmul(view, index)
             if qk is not None and qk not in seen:
                 seen.add(qk)
-                found = _block(view, qk)
+                found = _block(view, qk, index)
         elif node.op in _FUSED:
             found = _fused_block(view, index)
         if found:

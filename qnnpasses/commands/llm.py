@@ -1,0 +1,57 @@
+"""``qnnpasses llm``: a HF-style KV-cache decoder export -> a static prefill + decode pair for the HTP.
+
+Writes ``DIR/prefill.onnx``, ``DIR/decode.onnx`` (static shapes, htp-llm applied, the cache
+outside the graph), their compiled EPContext models, ``DIR/llm.json`` (the manifest a runner
+follows, see :mod:`qnnpasses.llm.manifest`) and ``DIR/report.json`` / ``report.md``.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("llm", help="turn a KV-cache decoder export into a static prefill + decode pair for the HTP")
+    p.add_argument("model", help="decoder exported with past_key_values inputs and present outputs (never modified)")
+    p.add_argument("-o", "--out-dir", dest="out_dir", required=True, metavar="DIR", help="folder to write")
+    p.add_argument("--context", type=_positive_int, required=True, metavar="N", help="cache length (context) in tokens")
+    p.add_argument("--prefill", type=_positive_int, required=True, metavar="M", help="new tokens per prefill call")
+    p.add_argument("--precision", default="fp16", metavar="fp16|w8a16|w4a16",
+                   help="fp16 (default) or quantized weights with 16-bit activations (needs --calib)")
+    p.add_argument("--calib", metavar="DATA", help="calibration token data for --precision w8a16|w4a16")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--parts", type=_positive_int, metavar="K", help="split each graph into K consecutive parts")
+    split.add_argument("--max-part-bytes", type=_positive_int, metavar="B", help="split each graph into parts of at most B bytes")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from qnnpasses.llm.convert import build
+
+    manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
+                     calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile)
+    if args.format == "json":
+        print(json.dumps(manifest, indent=2))
+        return 0
+    print(render_text(manifest))
+    return 0
+
+
+def render_text(manifest: dict) -> str:
+    lines = [f"{manifest['dir']}: {manifest['layers']} layers, context {manifest['context']}, prefill {manifest['prefill']}, "
+             f"{manifest['precision']}, weight sharing: {manifest['weight_sharing']}"]
+    for name, graph in manifest["graphs"].items():
+        files = ", ".join(p["compiled"] or p["onnx"] for p in graph["parts"])
+        lines.append(f"  {name}: {graph['tokens']} token(s) after {graph['past']} cache slots -> {files}")
+    return "\n".join(lines)

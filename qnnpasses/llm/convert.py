@@ -1,0 +1,293 @@
+"""``qnnpasses llm``: a HF-style KV-cache decoder export -> a deployable static prefill + decode pair.
+
+For each graph (prefill: ``tokens`` = M, ``past`` = N - M; decode: 1 and N - 1), from the
+original export:
+
+1. ``fix-shapes`` with explicit static shapes (batch 1, S new tokens, P past slots, mask P + S),
+   ``expose-positions`` (rotary positions become an input when the export derived them from the
+   past length), ``simplify``, ``kv-new-outputs`` (outputs only the new K/V) and
+   ``kv-split-concat`` (no Concat of the cache inside the graph);
+2. the ``htp-llm`` pipeline;
+3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
+   decode steps (the static graph with a padded cache must compute what the original computes
+   with the unpadded one);
+4. optionally a split into consecutive parts and quantization;
+5. compilation to EPContext models (weight-shared if the backend can run that, else separate).
+
+Why a static cache of P slots is exact: with the past fixed at P, the export's causal mask puts
+the new tokens at key slots P..P+S-1 and lets every query see all P past slots; the
+``attention_mask`` removes the slots at or beyond ``valid_len`` and padded new tokens, and the
+rotary reads the absolute ``position_ids``.  Everything is written to a staging folder first and
+moved into place at the end: bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.errors import BadInputError, CheckFailedError
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.llm.manifest import FORMAT, write_manifest
+from qnnpasses.llm.roles import Roles, find_roles
+from qnnpasses.passmanager.manager import PassManager, RunConfig
+from qnnpasses.passmanager.named import get_pipeline
+from qnnpasses.passmanager.spec import parse_pipeline
+
+STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,kv-new-outputs,kv-split-concat"
+PRECISIONS = ("fp16", "w8a16", "w4a16")
+#: max abs of the static fp32 graphs vs the original on CPU (rounding-level rewrites only)
+CPU_TOLERANCE = 1e-4
+_DTYPES = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.float32): "float32",
+           np.dtype(np.float16): "float16"}
+
+
+@dataclass
+class LlmOptions:
+    context: int
+    prefill: int
+    precision: str = "fp16"
+    calib: str | Path | None = None
+    parts: int | None = None
+    max_part_bytes: int | None = None
+    compile: bool = True
+    try_shared: bool = True
+    verify_tokens: int = 8
+
+
+def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
+    """Refuse bad requests before anything is written (one-line BadInputError each)."""
+    if not model.is_file():
+        raise BadInputError(f"model not found: {model}")
+    if options.precision not in PRECISIONS:
+        raise BadInputError(f"unknown precision '{options.precision}' (known: {', '.join(PRECISIONS)})")
+    if options.precision != "fp16" and options.calib is None:
+        raise BadInputError(f"--precision {options.precision} needs --calib DATA")
+    if options.prefill < 1:
+        raise BadInputError(f"--prefill must be at least 1 (got {options.prefill})")
+    if options.prefill >= options.context:
+        raise BadInputError(f"--prefill {options.prefill} must be smaller than --context {options.context}")
+    if options.parts is not None and options.max_part_bytes is not None:
+        raise BadInputError("give --parts or --max-part-bytes, not both")
+    if options.parts is not None and options.parts < 1:
+        raise BadInputError(f"--parts must be at least 1 (got {options.parts})")
+    if options.max_part_bytes is not None and options.max_part_bytes <= 0:
+        raise BadInputError(f"--max-part-bytes must be positive (got {options.max_part_bytes})")
+    if out_dir.resolve() == model.parent.resolve():
+        raise BadInputError("the output folder must not be the input model's folder")
+
+
+def _static_dim(dim) -> int | None:
+    return int(dim) if isinstance(dim, (int, np.integer)) and dim > 0 else None
+
+
+def _check_tokens(ir: IRModel, roles: Roles, tokens: int, what: str) -> None:
+    ids = next(t for t in ir.graph.inputs if t.name == roles.input_ids)
+    fixed = _static_dim(ids.shape[-1]) if ids.shape else None
+    if fixed is not None and fixed != tokens:
+        raise BadInputError(f"the export fixes the new-token count at {fixed}; {what} needs {tokens} "
+                            f"(export with a dynamic sequence axis, or use --prefill {fixed})")
+
+
+def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
+    shapes = {roles.input_ids: [1, tokens], roles.attention_mask: [1, past + tokens]}
+    if roles.position_ids:
+        shapes[roles.position_ids] = [1, tokens]
+    for name in roles.past_key + roles.past_value:
+        shapes[name] = [1, int(roles.kv_heads), past, int(roles.head_dim)]
+    return shapes
+
+
+def _records(result) -> list[dict[str, Any]]:
+    return [{"name": r.name, "status": r.status, "reason": r.reason, "stats": r.stats} for r in result.records]
+
+
+def static_graph(model: Path, roles: Roles, tokens: int, past: int) -> tuple[IRModel, dict[str, Any]]:
+    """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied."""
+    ir = load_model(model)
+    stage = PassManager(parse_pipeline(STATIC_CACHE_PIPELINE), RunConfig(verify=False, strict=True, allow_lossy=True))
+    stage.context.shapes = _shapes(roles, tokens, past)
+    first = stage.run(ir)
+    second = PassManager(get_pipeline("htp-llm"), RunConfig(verify=False, strict=True)).run(ir)
+    return ir, {"passes": _records(first) + _records(second)}
+
+
+def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
+    """The manifest's roles of a static graph, checked against what the graph has."""
+    inputs = {t.name for t in ir.graph.inputs}
+    outputs = {t.name for t in ir.graph.outputs}
+    from qnnpasses.passes.kvcache.kv_new_outputs import new_output_name
+
+    position = roles.position_ids or ("position_ids" if "position_ids" in inputs else None)
+    result = {"input_ids": roles.input_ids, "attention_mask": roles.attention_mask, "position_ids": position,
+              "past_key": roles.past_key, "past_value": roles.past_value, "logits": roles.logits,
+              "new_key": [new_output_name(n, "present", "new") for n in roles.present_key],
+              "new_value": [new_output_name(n, "present", "new") for n in roles.present_value]}
+    missing_in = [n for n in [roles.input_ids, roles.attention_mask, *roles.past_key, *roles.past_value] if n not in inputs]
+    missing_out = [n for n in [roles.logits, *result["new_key"], *result["new_value"]] if n not in outputs]
+    if missing_in or missing_out:
+        raise CheckFailedError(f"static graph lost roles: inputs {missing_in}, outputs {missing_out}")
+    if position is None:
+        raise BadInputError("cannot find the token positions: no position_ids input and no rotary computed from the past "
+                            "length (learned absolute positions are not supported)")
+    cache_concats = [n.name for n in ir.graph.nodes if n.op == "Concat"
+                     and any(t.name in set(roles.past_key + roles.past_value) for t in n.inputs)]
+    if cache_concats:
+        raise CheckFailedError(f"the cache is still concatenated inside the graph: {cache_concats[:3]}")
+    return result
+
+
+def _io(ir: IRModel) -> dict[str, dict[str, Any]]:
+    io = {}
+    for tensor in list(ir.graph.inputs) + list(ir.graph.outputs):
+        io[tensor.name] = {"dtype": _DTYPES.get(np.dtype(tensor.dtype), str(np.dtype(tensor.dtype))),
+                           "shape": [int(d) for d in tensor.shape]}
+    return io
+
+
+def _source_roles(roles: Roles) -> dict[str, Any]:
+    return {"input_ids": roles.input_ids, "attention_mask": roles.attention_mask, "position_ids": roles.position_ids,
+            "logits": roles.logits, "past_key": roles.past_key, "past_value": roles.past_value,
+            "present_key": roles.present_key, "present_value": roles.present_value}
+
+
+def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
+          calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
+          compile: bool = True, try_shared: bool = True, verify_tokens: int = 8) -> dict[str, Any]:
+    """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
+
+    Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
+    """
+    options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens)
+    model, out_dir = Path(model), Path(out_dir)
+    validate(model, out_dir, options)
+    start = time.monotonic()
+    source = load_model(model)
+    roles = find_roles(source.graph)
+    _check_tokens(source, roles, prefill, f"--prefill {prefill}")
+    _check_tokens(source, roles, 1, "the decode graph")
+    for what in ("kv_heads", "head_dim"):
+        if _static_dim(getattr(roles, what)) is None:
+            raise BadInputError(f"the KV cache's {what} is not a static dimension")
+    if options.precision == "w4a16":
+        _require_w4()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        manifest, report = _build_into(stage, model, source, roles, options)
+        report["seconds"] = round(time.monotonic() - start, 2)
+        (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        from qnnpasses.llm.report import report_markdown
+
+        (stage / "report.md").write_text(report_markdown(manifest, report))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path in sorted(stage.iterdir()):
+            target = out_dir / path.name
+            if target.exists():
+                target.unlink()
+            shutil.move(str(path), target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    manifest["dir"] = str(out_dir)
+    return manifest
+
+
+def _require_w4() -> None:
+    try:
+        from qnnpasses.quant.policy import PrecisionPolicy
+
+        fields = getattr(PrecisionPolicy, "__dataclass_fields__", {})
+        supported = "int4" in str(fields.get("weights").default if "weights" in fields else "") or \
+            hasattr(PrecisionPolicy, "int4") or "int4" in (getattr(PrecisionPolicy, "WEIGHT_TYPES", ()) or ())
+    except ImportError:
+        supported = False
+    if not supported:
+        raise BadInputError("w4a16: not available yet")
+
+
+def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options: LlmOptions) -> tuple[dict, dict]:
+    N, M = options.context, options.prefill
+    spec = {"prefill": (M, N - M), "decode": (1, N - 1)}
+    graphs: dict[str, Any] = {}
+    report: dict[str, Any] = {"source": model.name, "context": N, "prefill": M, "graphs": {}}
+    irs = {}
+    for name, (tokens, past) in spec.items():
+        ir, facts = static_graph(model, roles, tokens, past)
+        irs[name] = ir
+        graph_role = graph_roles(ir, roles)
+        path = save_model(ir, stage / f"{name}.onnx", external_data=False)
+        graphs[name] = {"tokens": tokens, "past": past,
+                        "parts": [{"onnx": path.name, "compiled": None,
+                                   "inputs": [t.name for t in ir.graph.inputs], "outputs": [t.name for t in ir.graph.outputs]}],
+                        "roles": graph_role, "io": _io(ir)}
+        report["graphs"][name] = {"nodes": len(ir.graph.nodes), "passes": facts["passes"]}
+    manifest = {
+        "format": FORMAT, "source": model.name, "context": N, "prefill": M, "layers": roles.layers,
+        "kv_heads": int(roles.kv_heads), "head_dim": int(roles.head_dim), "vocab": int(roles.vocab),
+        "precision": options.precision, "kv_layout": {"key": "BHSD", "value": "BHSD"},
+        "kv_dtype": graphs["decode"]["io"][roles.past_key[0]]["dtype"], "weight_sharing": "none",
+        "graphs": graphs, "source_roles": _source_roles(roles),
+    }
+    report["verification"] = _verify(stage, manifest, model, options)
+    if options.precision != "fp16":
+        from qnnpasses.llm.quantize import quantize_pair
+
+        report["quantization"] = quantize_pair(stage, manifest, options)
+    if options.parts is not None or options.max_part_bytes is not None:
+        for name in spec:
+            ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
+            entries = _split(stage, ir, name, options)
+            manifest["graphs"][name]["parts"] = entries
+        report["parts_verification"] = _verify(stage, manifest, model, options) if options.precision == "fp16" else None
+    from qnnpasses.backends.htp import htp_available
+    from qnnpasses.llm.report import graph_facts
+
+    report["htp"] = graph_facts(stage, manifest, probe=htp_available() and options.precision == "fp16")
+    if options.compile:
+        from qnnpasses.llm.compile import compile_graphs
+
+        pairs = [(stage / p["onnx"], stage / p["onnx"].replace(".onnx", "_ctx.onnx"))
+                 for name in spec for p in manifest["graphs"][name]["parts"]]
+        compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared)
+        for name in spec:
+            for part in manifest["graphs"][name]["parts"]:
+                part["compiled"] = part["onnx"].replace(".onnx", "_ctx.onnx")
+        manifest["weight_sharing"] = compiled["weight_sharing"]
+        report["compile"] = compiled
+    write_manifest(stage, manifest)
+    return manifest, report
+
+
+def _split(stage: Path, ir: IRModel, name: str, options: LlmOptions) -> list[dict[str, Any]]:
+    from qnnpasses.llm.split import write_parts
+
+    entries = write_parts(ir, stage, name, parts=options.parts, max_part_bytes=options.max_part_bytes)
+    (stage / f"{name}.onnx").unlink()
+    return entries
+
+
+def _verify(stage: Path, manifest: dict[str, Any], model: Path, options: LlmOptions) -> dict[str, Any]:
+    """The static pair vs the original on CPU: a prompt in chunks (last padded), then decode steps."""
+    from qnnpasses.llm.verify import compare_sequence
+
+    N, M = options.context, options.prefill
+    prompt_len = min(2 * M + max(1, M // 2), N - options.verify_tokens - 1) if M > 1 else min(3, N - 2)
+    new = max(1, min(options.verify_tokens, N - prompt_len - 1))
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, manifest["vocab"], prompt_len)]
+    result = compare_sequence(stage, manifest, model, prompt, new)
+    result.update(prompt_tokens=prompt_len, new_tokens=new, tolerance=CPU_TOLERANCE)
+    result["ok"] = result["max_abs"] <= CPU_TOLERANCE
+    if not result["ok"]:
+        raise CheckFailedError(f"static pair differs from the original on CPU: max abs {result['max_abs']:.3g} "
+                               f"> {CPU_TOLERANCE:g}")
+    return result

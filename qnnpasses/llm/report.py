@@ -1,0 +1,107 @@
+"""Facts about a built prefill + decode pair, for report.md and docs/llm.md ("graphs" section).
+
+:func:`graph_facts` measures, per graph, on the real backend and from the graph: HTP placement
+(QNN partitions and CPU nodes, CPU fallback off), the composed QNN op count, node count, and
+the KV-cache bytes (past inputs + new K/V outputs = the whole cache of ``context`` slots),
+next to what ``qnnpasses analyze`` says.  :func:`graphs_markdown` renders them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_BYTES = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2}
+
+
+def kv_cache_bytes(graph: dict[str, Any], dtype_bytes: int | None = None) -> int:
+    """Bytes of the cache a graph touches: its past inputs plus its new K/V outputs."""
+    io, roles = graph["io"], graph["roles"]
+    total = 0
+    for name in roles["past_key"] + roles["past_value"] + roles["new_key"] + roles["new_value"]:
+        size = dtype_bytes or _BYTES.get(io[name]["dtype"], 4)
+        total += int(np.prod(io[name]["shape"])) * size
+    return total
+
+
+def expected_kv_bytes(manifest: dict[str, Any], dtype_bytes: int) -> int:
+    """2 · layers · kv_heads · head_dim · context · bytes."""
+    return 2 * manifest["layers"] * manifest["kv_heads"] * manifest["head_dim"] * manifest["context"] * dtype_bytes
+
+
+def analyze_kv(path: str | Path, context: int) -> dict[str, Any]:
+    from qnnpasses.analysis import analyze
+    from qnnpasses.ir.load import load_model
+
+    report = analyze(load_model(path), context=context)["kv_cache"]
+    return {k: report.get(k) for k in ("layers", "kv_heads", "head_dim", "context", "bytes_fp32", "bytes_fp16")}
+
+
+def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = True) -> dict[str, Any]:
+    """Per graph: placement and composed QNN ops (from a child-process probe), nodes, KV bytes."""
+    import onnx
+
+    folder = Path(folder)
+    facts: dict[str, Any] = {}
+    for name, graph in manifest["graphs"].items():
+        entry: dict[str, Any] = {"tokens": graph["tokens"], "past": graph["past"], "parts": []}
+        for part in graph["parts"]:
+            path = folder / part["onnx"]
+            proto = onnx.load(str(path), load_external_data=False)
+            item: dict[str, Any] = {"onnx": part["onnx"], "nodes": len(proto.graph.node)}
+            if probe:
+                from qnnpasses.backends.htp import probe_placement
+
+                placement = probe_placement(path)
+                item.update(ok=placement.ok, error=placement.error, qnn_partitions=placement.qnn_partitions,
+                            cpu_nodes=len(placement.cpu_nodes), qnn_ops=(placement.qnn_graph_ops or {}).get("total"))
+            entry["parts"].append(item)
+        entry["kv_cache_bytes"] = kv_cache_bytes(graph)
+        entry["kv_cache_bytes_fp16"] = kv_cache_bytes(graph, 2)
+        if len(graph["parts"]) == 1:
+            entry["analyze"] = analyze_kv(folder / graph["parts"][0]["onnx"], manifest["context"])
+        if probe:
+            entry["qnn_ops"] = sum(p.get("qnn_ops") or 0 for p in entry["parts"])
+        facts[name] = entry
+    facts["expected_kv_cache_bytes"] = expected_kv_bytes(manifest, _BYTES.get(manifest["kv_dtype"], 4))
+    return facts
+
+
+def graphs_markdown(manifest: dict[str, Any], facts: dict[str, Any]) -> str:
+    lines = ["| graph | tokens | past slots | parts | nodes | QNN partitions | CPU nodes | composed QNN ops | KV-cache bytes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("prefill", "decode"):
+        entry = facts.get(name)
+        if not entry:
+            continue
+        parts = entry["parts"]
+        partitions = sum(p.get("qnn_partitions") or 0 for p in parts) if "qnn_partitions" in parts[0] else "-"
+        cpu = sum(p.get("cpu_nodes") or 0 for p in parts) if "cpu_nodes" in parts[0] else "-"
+        lines.append(f"| {name} | {entry['tokens']} | {entry['past']} | {len(parts)} | {sum(p['nodes'] for p in parts)} | "
+                     f"{partitions} | {cpu} | {entry.get('qnn_ops', '-')} | {entry['kv_cache_bytes']:,} |")
+    lines.append("")
+    lines.append(f"Expected KV-cache bytes (2·L·kv_heads·head_dim·N·{manifest['kv_dtype']}): "
+                 f"{facts['expected_kv_cache_bytes']:,}.")
+    return "\n".join(lines) + "\n"
+
+
+def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
+    """report.md of one ``qnnpasses llm`` run."""
+    lines = [f"# {manifest['source']}: prefill + decode pair", "",
+             f"context {manifest['context']}, prefill {manifest['prefill']}, {manifest['layers']} layers, "
+             f"{manifest['kv_heads']} KV heads x {manifest['head_dim']}, vocab {manifest['vocab']}, "
+             f"precision {manifest['precision']}, weight sharing: {manifest['weight_sharing']}", ""]
+    verification = report.get("verification") or {}
+    if verification:
+        lines.append(f"CPU check vs the original export ({verification['prompt_tokens']} prompt tokens in chunks, "
+                     f"{verification['new_tokens']} generated, {verification['calls']} calls): max abs logits "
+                     f"{verification['logits']:.3g}, new K/V {verification['kv']:.3g}.")
+    probe = (report.get("compile") or {}).get("shared_probe")
+    if probe:
+        lines.append(f"Weight-shared context: compile {'ok' if probe['compile'] else 'failed'}, run "
+                     f"{'ok' if probe['run'] else 'failed'}" + (f" ({probe['error']})" if probe.get("error") else "") + ".")
+    if report.get("htp"):
+        lines += ["", graphs_markdown(manifest, report["htp"])]
+    return "\n".join(lines) + "\n"
