@@ -16,7 +16,7 @@ import sys
 from qnnpasses.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QnnPassesError
 
 # Order is the order of `qnnpasses --help`.
-COMMANDS = ("run", "passes", "pipelines", "check", "lint", "diagnose", "analyze", "compare", "partition", "convert", "compile", "quantize", "sweep")
+COMMANDS = ("run", "passes", "pipelines", "check", "lint", "diagnose", "analyze", "compare", "partition", "convert", "compile", "quantize", "sweep", "llm")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
