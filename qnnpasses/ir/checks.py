@@ -33,7 +33,7 @@ def check_proto(proto: onnx.ModelProto) -> tuple[str | None, onnx.ModelProto | N
     unknown = _unknown_operator(proto)
     if unknown:
         return unknown, None
-    proto = stubs_as_inputs(proto)
+    proto = _runtime_ops_out_of_default_domain(stubs_as_inputs(proto))
     try:
         onnx.checker.check_model(proto)
     except Exception as exc:  # ValidationError, or other types the C++ checker raises on odd protos
@@ -51,6 +51,49 @@ def _unknown_operator(proto: onnx.ModelProto) -> str | None:
             continue
         return f"node '{node.name}' uses operator '{node.op_type}' of unknown domain '{node.domain}'"
     return None
+
+
+# Where the checker sees a default-domain op that onnx has no schema for but onnxruntime
+# runs (SimplifiedLayerNormalization, ...), the check moves it to this domain, which the
+# checker and shape inference skip like any contrib op; the graph itself keeps it.
+_RUNTIME_DOMAIN = "qnnpasses.onnxruntime"
+
+
+def runtime_only_ops(proto: onnx.ModelProto) -> dict[str, int]:
+    """Default-domain operators onnx does not know but onnxruntime runs -> how many nodes use each."""
+    known = _onnxruntime_default_ops()
+    found: dict[str, int] = {}
+    for node in _walk_nodes(proto.graph):
+        if node.domain in ("", "ai.onnx") and node.op_type in known and not onnx.defs.has(node.op_type):
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+    return found
+
+
+_ORT_DEFAULT_OPS: frozenset[str] | None = None
+
+
+def _onnxruntime_default_ops() -> frozenset[str]:
+    global _ORT_DEFAULT_OPS
+    if _ORT_DEFAULT_OPS is None:
+        try:
+            from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+            schemas = get_all_operator_schema()
+        except Exception:  # a build without schemas: nothing is treated as runtime-only
+            schemas = []
+        _ORT_DEFAULT_OPS = frozenset(s.name for s in schemas if s.domain in ("", "ai.onnx"))
+    return _ORT_DEFAULT_OPS
+
+
+def _runtime_ops_out_of_default_domain(proto: onnx.ModelProto) -> onnx.ModelProto:
+    if not runtime_only_ops(proto):
+        return proto
+    known = _onnxruntime_default_ops()
+    for node in _walk_nodes(proto.graph):
+        if node.domain in ("", "ai.onnx") and node.op_type in known and not onnx.defs.has(node.op_type):
+            node.domain = _RUNTIME_DOMAIN
+    proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
+    return proto
 
 
 def _walk_nodes(graph: onnx.GraphProto):

@@ -9,6 +9,7 @@ attached as lazy memory maps, never read here.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import onnx
@@ -16,7 +17,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir.checks import check_model
+from qnnpasses.ir.checks import check_model, runtime_only_ops
 from qnnpasses.ir.model import (
     ExternalSource,
     ExternalValues,
@@ -66,7 +67,17 @@ def load_model(model: str | os.PathLike | onnx.ModelProto) -> IRModel:
         raise BadInputError(f"{path or 'model'}: the graph cannot be represented: {type(exc).__name__}: {_one_line(exc)}") from None
     if problem:
         raise BadInputError(f"{path or 'model'} fails the ONNX checker: {problem}")
+    _report_runtime_only_ops(proto, str(path or "<model>"))
     return ir
+
+
+def _report_runtime_only_ops(proto: onnx.ModelProto, where: str) -> None:
+    """One stderr line naming the default-domain ops only onnxruntime knows (loaded, not refused)."""
+    found = runtime_only_ops(proto)
+    if found:
+        listed = ", ".join(f"{op} ({count})" for op, count in sorted(found.items()))
+        print(f"note: {where} uses operators onnxruntime runs but the ONNX checker does not know: {listed}; "
+              "the htp-llm pipeline lowers them (lower-simplified-norm)", file=sys.stderr)
 
 
 def _read_model_file(path: Path) -> onnx.ModelProto:

@@ -1,0 +1,99 @@
+"""What the contrib-op lowerings share: emitting standard ops on dynamic shapes, and the
+property that says onnxruntime's contrib ops are gone.
+
+The lowerings run before ``fix-shapes`` (contrib ops stop shape inference, so nothing
+downstream of them has a shape until they are lowered): what they emit must work on
+symbolic shapes -- ``Reshape`` with 0/-1, shape arithmetic through ``Shape``/``Gather`` --
+and becomes static and folds once ``fix-shapes`` and ``simplify`` have run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.ir.model import IRModel
+from qnnpasses.passmanager.api import PassContext, register_property
+from qnnpasses.passmanager.rewrite import make_constant, make_node
+
+MICROSOFT = "com.microsoft"
+#: contrib ops the lowering family rewrites (the norm family does the SimplifiedLayerNormalizations)
+LOWERED_OPS = frozenset({"GroupQueryAttention", "RotaryEmbedding", "MatMulNBits"})
+
+
+def is_contrib(node: gs.Node, op: str) -> bool:
+    return node.op == op and (node.domain or "") == MICROSOFT
+
+
+def _contrib_left(ir: IRModel) -> str:
+    left = sorted({n.op for n in ir.graph.nodes if (n.domain or "") == MICROSOFT and n.op in LOWERED_OPS})
+    return f"onnxruntime contrib ops left: {', '.join(left)}" if left else ""
+
+
+CONTRIB_LOWERED = register_property(
+    "contrib-lowered", "onnxruntime's GroupQueryAttention, RotaryEmbedding and MatMulNBits lowered to standard ONNX",
+    _contrib_left).name
+
+
+class Emitter:
+    """Appends standard-ONNX nodes with fresh names for one lowering."""
+
+    def __init__(self, ir: IRModel, ctx: PassContext, hint: str):
+        self.ir, self.ctx, self.hint = ir, ctx, hint
+
+    def const(self, value, dtype=None) -> gs.Constant:
+        return make_constant(self.ir, self.ctx, f"{self.hint}_c", np.asarray(value, dtype=dtype))
+
+    def op(self, op: str, inputs: list, *, attrs: dict | None = None, dtype=None, shape=None,
+           outputs: int | list[gs.Variable] = 1):
+        """One node; returns its output, or the list of them when ``outputs`` > 1 or given."""
+        if isinstance(outputs, list):
+            node = gs.Node(op=op, name=self.ctx.unique_name(self.ir, f"{self.hint}_{op}"), attrs=attrs or {},
+                           inputs=list(inputs), outputs=outputs)
+            self.ir.graph.nodes.append(node)
+            return outputs
+        node = make_node(self.ir, self.ctx, op, inputs, name_hint=f"{self.hint}_{op}", attrs=attrs,
+                         num_outputs=outputs, dtype=dtype, shape=shape)
+        return node.outputs[0] if outputs == 1 else node.outputs
+
+    def dim(self, tensor: gs.Tensor, axis: int) -> gs.Variable:
+        """``tensor.shape[axis]`` at run time, as a 0-d int64."""
+        shape = self.op("Shape", [tensor], dtype=np.int64, shape=[None])
+        return self.op("Gather", [shape, self.const(axis, np.int64)], attrs={"axis": 0}, dtype=np.int64, shape=[])
+
+    def heads(self, x: gs.Tensor, heads: int, head_size: int) -> gs.Variable:
+        """``[B, S, heads*head_size]`` -> ``[B, heads, S, head_size]`` (the HF layout)."""
+        split = self.op("Reshape", [x, self.const([0, 0, heads, head_size], np.int64)], dtype=x.dtype)
+        return self.op("Transpose", [split], attrs={"perm": [0, 2, 1, 3]}, dtype=x.dtype)
+
+    def rotate(self, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor, head_size: int, interleaved: bool) -> gs.Variable:
+        """``x*cos + (x @ R)*sin``: the form the ``rotary`` pass produces (R a signed permutation)."""
+        r = rotation_matrix(head_size, interleaved, np.dtype(x.dtype or np.float32))
+        turned = self.op("MatMul", [x, self.const(r.reshape(1, 1, head_size, head_size))], dtype=x.dtype)
+        return self.op("Add", [self.op("Mul", [x, cos], dtype=x.dtype), self.op("Mul", [turned, sin], dtype=x.dtype)],
+                       dtype=x.dtype)
+
+    def cos_sin(self, cache: gs.Tensor, positions: gs.Tensor, head_size: int, interleaved: bool) -> gs.Variable:
+        """Rows of a ``[max_pos, head_size/2]`` cache at ``positions [B, S]`` -> ``[B, 1, S, head_size]``."""
+        half = head_size // 2
+        index = np.repeat(np.arange(half), 2) if interleaved else np.concatenate([np.arange(half)] * 2)
+        rows = self.op("Gather", [cache, positions], attrs={"axis": 0}, dtype=cache.dtype)
+        full = self.op("Gather", [rows, self.const(index, np.int64)], attrs={"axis": -1}, dtype=cache.dtype)
+        return self.op("Unsqueeze", [full, self.const([1], np.int64)], dtype=cache.dtype)
+
+
+def rotation_matrix(head_size: int, interleaved: bool, dtype: np.dtype) -> np.ndarray:
+    """``R`` with ``x @ R == rotate_half(x)`` (halves) or the pairwise GPT-J rotation (interleaved)."""
+    r = np.zeros((head_size, head_size), dtype=dtype)
+    half = head_size // 2
+    for j in range(head_size):
+        if interleaved:
+            if j % 2 == 0:
+                r[j + 1, j] = -1
+            else:
+                r[j - 1, j] = 1
+        elif j < half:
+            r[j + half, j] = -1
+        else:
+            r[j - half, j] = 1
+    return r

@@ -1,0 +1,274 @@
+"""lower-gqa: onnxruntime's ``com.microsoft.GroupQueryAttention`` => explicit attention, KV cache as graph I/O.
+
+Matches ``GroupQueryAttention`` as onnxruntime-genai's model builder writes it: packed QKV
+(``key``/``value`` empty) or separate Q, K, V; ``past_key``/``past_value`` ``[B, kvH, P, D]``;
+``seqlens_k`` (valid tokens - 1 per row) and ``total_sequence_length``; rotary fused in
+(``do_rotary``, ``cos_cache``/``sin_cache`` ``[max_pos, D/2]``, halves or interleaved).  Not
+matched (left alone, with the reason): ``local_window_size``, ``softcap``, ``smooth_softmax``,
+partial rotary, ``position_ids``/``attention_bias``/``head_sink`` inputs, an extra output.
+
+Produces what Hugging Face exports contain: Q/K/V split into heads ``[B, H, S, D]``, rotary as
+``x*cos + (x@R)*sin`` with cos/sin gathered at positions ``seqlens_k + 1 - S + i`` (the
+``rotary`` pass's form), ``present_k = Concat(past_k, k)`` along the sequence (the original
+``present.*`` outputs, so past in / present out stay graph I/O), ``repeat_kv`` as
+``Unsqueeze -> Expand -> Reshape`` (``gqa-broadcast`` un-repeats it), ``softmax(Q·Kᵀ·scale +
+mask)·V``.  The mask is causal over ``past + new`` and, when ``seqlens_k`` is computed from a
+2-D ``attention_mask`` input (as the builder does), also masks the keys that input marks 0 --
+so a prefill/decode pair with a fixed-size, padded cache can be made from the result.  The
+symbolic dims are made consistent (``attention_mask``/``present`` length ``past + seq``, the
+cache's head dim static) so that ``fix-shapes`` binds them together.
+
+Why safe: the same dot products, softmax and weighted sums as onnxruntime's kernel when the
+past buffer holds exactly the tokens already seen (no padding, ``P = seqlens_k + 1 - S``):
+verified against onnxruntime CPU running the original op on such inputs.  With padding the
+kernel's shared-buffer semantics differ from the HF-style form this produces (stated by the
+contract).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib
+
+from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.shapes import is_static, resolve_dim
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, assumes, register_pass
+from qnnpasses.passmanager.rewrite import constant_value, finish, producer
+
+MASK_VALUE = -1.0e4  # what attention-cleanup makes every mask use (see its docstring)
+_UNSUPPORTED_ATTRS = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0}
+
+
+@register_pass
+class LowerGQA(Pass):
+    name = "lower-gqa"
+    summary = "com.microsoft.GroupQueryAttention => explicit attention with rotary, past/present KV as graph I/O"
+    contract = assumes("no padding: past_key holds exactly the tokens already seen and attention_mask is all ones")
+    ensures = frozenset({CONTRIB_LOWERED})
+
+    def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
+        nodes = [n for n in ir.graph.nodes if is_contrib(n, "GroupQueryAttention")]
+        notes, lowered, shared = [], 0, {}
+        for node in nodes:
+            reason = _why_not(node)
+            if reason:
+                notes.append(f"{node.name}: not lowered: {reason}")
+                continue
+            _lower(ir, ctx, node, shared)
+            lowered += 1
+        if lowered:
+            finish(ir)
+        return PassResult(changed=lowered > 0, stats={"lowered": lowered, "left": len(nodes) - lowered}, notes=notes)
+
+    def planned_input_shapes(self, ir: IRModel, ctx: PassContext) -> dict[str, list[int]] | None:
+        """Consistent verification shapes: ``attention_mask`` length = past + sequence."""
+        nodes = [n for n in ir.graph.nodes if is_contrib(n, "GroupQueryAttention") and not _why_not(n)]
+        if not nodes:
+            return None
+        values: dict[str, int] = {}
+        for tensor in ir.graph.inputs:  # --shape binds symbols
+            given = ctx.shapes.get(tensor.name)
+            for dim, value in zip(tensor.shape or [], given or []):
+                if not is_static(dim) and dim:
+                    values[str(dim)] = int(value)
+        planned: dict[str, list[int]] = {}
+        mask = _mask_input(ir, nodes[0].inputs[5])
+        for tensor in ir.graph.inputs:
+            if isinstance(tensor, gs.Constant) or tensor.shape is None:
+                continue
+            planned[tensor.name] = [_dim_value(d, tensor.name, i, values) for i, d in enumerate(tensor.shape)]
+        if mask is not None and mask.name not in ctx.shapes:
+            past = nodes[0].inputs[3]
+            query = nodes[0].inputs[0]
+            planned[mask.name] = [planned[mask.name][0],
+                                  _dim_value(past.shape[2], past.name, 2, values) + _dim_value(query.shape[1], query.name, 1, values)]
+        for node in nodes:  # the cache's head dim is the head size, whatever its symbol resolves to
+            for past in node.inputs[3:5]:
+                if past.name in planned and past.name not in ctx.shapes:
+                    planned[past.name][3] = _head_size(node)
+        return planned
+
+
+def _dim_value(dim, name: str, index: int, values: dict[str, int]) -> int:
+    if is_static(dim):
+        return int(dim)
+    return values.setdefault(str(dim), resolve_dim(dim, name, index))
+
+
+def _why_not(node: gs.Node) -> str:
+    for key, neutral in _UNSUPPORTED_ATTRS.items():
+        if key in node.attrs and node.attrs[key] != neutral:
+            return f"{key}={node.attrs[key]} is not lowered"
+    inputs = node.inputs
+    if len(inputs) < 7 or not inputs[3].name or not inputs[4].name:
+        return "no past_key/past_value inputs"
+    if any(t.name for t in inputs[9:]):
+        return "position_ids/attention_bias/head_sink inputs are not lowered"
+    if len([t for t in node.outputs if t.name]) > 3:
+        return "the attention-probabilities output is not lowered"
+    if bool(node.attrs.get("do_rotary", 0)) and (len(inputs) < 9 or not inputs[7].name or not inputs[8].name):
+        return "do_rotary without cos/sin caches"
+    head = _head_size(node)
+    if head is None:
+        return "head size unknown (no static cache or hidden dim)"
+    if bool(node.attrs.get("do_rotary", 0)):
+        cache = inputs[7].shape
+        if cache is None or not is_static(cache[-1]) or 2 * int(cache[-1]) != head:
+            return "partial rotary (cos_cache narrower than head_size/2) is not lowered"
+    return ""
+
+
+def _head_size(node: gs.Node) -> int | None:
+    """From the cache's last dim, the query's hidden dim or the projection that makes it."""
+    heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
+    past = node.inputs[3].shape
+    if past and len(past) == 4 and is_static(past[3]):
+        return int(past[3])
+    packed = not (len(node.inputs) > 1 and node.inputs[1].name)
+    width = _last_dim(node.inputs[0])
+    return width // (heads + 2 * kv_heads if packed else heads) if width else None
+
+
+def _last_dim(tensor: gs.Tensor) -> int | None:
+    """A tensor's last dim: declared, or read off the projection (MatMul weight, MatMulNBits N) that makes it."""
+    for _ in range(3):
+        if tensor.shape and is_static(tensor.shape[-1]):
+            return int(tensor.shape[-1])
+        node = producer(tensor)
+        if node is None:
+            return None
+        if node.op == "MatMulNBits" and "N" in node.attrs:
+            return int(node.attrs["N"])
+        weight = constant_value(node.inputs[1]) if node.op in ("MatMul", "Add") and len(node.inputs) > 1 else None
+        if weight is not None and weight.ndim >= 1:
+            return int(weight.shape[-1])
+        tensor = node.inputs[0]
+    return None
+
+
+def _mask_input(ir: IRModel, seqlens: gs.Tensor) -> gs.Variable | None:
+    """The 2-D graph input ``seqlens_k`` is computed from (``ReduceSum(mask) - 1``, cast), if any."""
+    frontier, inputs = [seqlens], {t.name for t in ir.graph.inputs}
+    for _ in range(6):
+        found = [t for t in frontier if t.name in inputs and t.shape is not None and len(t.shape) == 2]
+        if found:
+            return found[0]
+        nodes = [producer(t) for t in frontier]
+        frontier = [t for n in nodes if n is not None and n.op in ("Cast", "Sub", "Add", "ReduceSum")
+                    for t in n.inputs[:1]]
+    return None
+
+
+def _lower(ir: IRModel, ctx: PassContext, node: gs.Node, shared: dict) -> None:
+    e = Emitter(ir, ctx, "gqa")
+    heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
+    head = _head_size(node)
+    query, key, value, past_k, past_v, seqlens = node.inputs[:6]
+    caches = list(node.inputs[7:9])
+    dtype = query.dtype
+    out, present_k, present_v = (list(node.outputs) + [None, None])[:3]
+    node.outputs.clear()
+    node.inputs.clear()
+
+    if key.name:
+        q, k, v = query, key, value
+    else:
+        sizes = e.const([heads * head, kv_heads * head, kv_heads * head], np.int64)
+        q, k, v = e.op("Split", [query, sizes], attrs={"axis": -1}, outputs=3, dtype=dtype)
+    q, k, v = e.heads(q, heads, head), e.heads(k, kv_heads, head), e.heads(v, kv_heads, head)
+
+    context = _shared(e, ir, node, query, past_k, seqlens, head, dtype, shared)
+    if bool(node.attrs.get("do_rotary", 0)):
+        interleaved = bool(node.attrs.get("rotary_interleaved", 0))
+        cos, sin = context["cos_sin"](caches[0], caches[1], interleaved)
+        q, k = e.rotate(q, cos, sin, head, interleaved), e.rotate(k, cos, sin, head, interleaved)
+
+    present_k = _concat(e, past_k, k, present_k, dtype)
+    present_v = _concat(e, past_v, v, present_v, dtype)
+    keys, values = _repeat(e, present_k, heads, kv_heads, head), _repeat(e, present_v, heads, kv_heads, head)
+    scale = float(node.attrs.get("scale", 0.0) or 0.0) or 1.0 / math.sqrt(head)
+
+    keys_t = e.op("Transpose", [keys], attrs={"perm": [0, 1, 3, 2]}, dtype=dtype)
+    scores = e.op("MatMul", [q, keys_t], dtype=dtype)
+    scores = e.op("Mul", [scores, e.const(scale, dtype)], dtype=dtype)
+    scores = e.op("Add", [scores, context["mask"]], dtype=dtype)
+    probs = e.op("Softmax", [scores], attrs={"axis": -1}, dtype=dtype)
+    attended = e.op("MatMul", [probs, values], dtype=dtype)
+    merged = e.op("Transpose", [attended], attrs={"perm": [0, 2, 1, 3]}, dtype=dtype)
+    e.op("Reshape", [merged, e.const([0, 0, heads * head], np.int64)], outputs=[out])
+    _consistent_dims(ir, query, past_k, past_v, present_k, present_v, _mask_input(ir, seqlens), head)
+
+
+def _concat(e: Emitter, past: gs.Tensor, new: gs.Tensor, present: gs.Variable | None, dtype) -> gs.Variable:
+    if present is not None and present.name:
+        return e.op("Concat", [past, new], attrs={"axis": 2}, outputs=[present])[0]
+    return e.op("Concat", [past, new], attrs={"axis": 2}, dtype=dtype)
+
+
+def _repeat(e: Emitter, x: gs.Tensor, heads: int, kv_heads: int, head: int) -> gs.Tensor:
+    """HF ``repeat_kv``: ``[B, kvH, T, D]`` -> ``[B, H, T, D]`` (head h reads kv head h // group)."""
+    if heads == kv_heads:
+        return x
+    grown = e.op("Unsqueeze", [x, e.const([2], np.int64)], dtype=x.dtype)
+    grown = e.op("Expand", [grown, e.const([1, 1, heads // kv_heads, 1, 1], np.int64)], dtype=x.dtype)
+    return e.op("Reshape", [grown, e.const([0, heads, -1, head], np.int64)], dtype=x.dtype)
+
+
+def _shared(e: Emitter, ir: IRModel, node: gs.Node, query: gs.Tensor, past_k: gs.Tensor, seqlens: gs.Tensor,
+            head: int, dtype, shared: dict) -> dict:
+    """Positions, cos/sin and the mask: made once per model (every layer sees the same ones)."""
+    key = seqlens.name
+    if key in shared:
+        return shared[key]
+    i64 = np.int64
+    seq = e.dim(query, 1)
+    past = e.dim(past_k, 2)
+    one, zero = e.const(1, i64), e.const(0, i64)
+    # positions of the new tokens: seqlens_k + 1 - S + i (onnxruntime's rule)
+    offsets = e.op("Range", [e.op("Sub", [one, seq], dtype=i64, shape=[]), one, one], dtype=i64, shape=[None])
+    valid = e.op("Cast", [seqlens], attrs={"to": 7}, dtype=i64)
+    positions = e.op("Add", [e.op("Unsqueeze", [valid, e.const([1], i64)], dtype=i64), offsets], dtype=i64)
+    caches: dict = {}
+
+    def cos_sin(cos_cache, sin_cache, interleaved):
+        slot = (cos_cache.name, sin_cache.name, interleaved)
+        if slot not in caches:
+            caches[slot] = (e.cos_sin(cos_cache, positions, head, interleaved),
+                            e.cos_sin(sin_cache, positions, head, interleaved))
+        return caches[slot]
+
+    # causal over past + new: key j is visible to new token i when j <= P + i
+    total = e.op("Add", [past, seq], dtype=i64, shape=[])
+    keys = e.op("Unsqueeze", [e.op("Range", [zero, total, one], dtype=i64), e.const([0], i64)], dtype=i64)
+    rows = e.op("Add", [e.op("Range", [zero, seq, one], dtype=i64), past], dtype=i64)
+    rows = e.op("Unsqueeze", [rows, e.const([1], i64)], dtype=i64)
+    allowed = e.op("LessOrEqual", [keys, rows], dtype=np.bool_)
+    mask_input = _mask_input(ir, seqlens)
+    if mask_input is not None:
+        seen = e.op("Cast", [mask_input], attrs={"to": 9}, dtype=np.bool_)
+        seen = e.op("Unsqueeze", [seen, e.const([1, 2], i64)], dtype=np.bool_)
+        allowed = e.op("And", [allowed, seen], dtype=np.bool_)
+    mask = e.op("Where", [allowed, e.const(0.0, dtype), e.const(MASK_VALUE, dtype)], dtype=dtype)
+    shared[key] = {"cos_sin": cos_sin, "mask": mask}
+    return shared[key]
+
+
+def _consistent_dims(ir: IRModel, query: gs.Tensor, past_k: gs.Tensor, past_v: gs.Tensor, present_k, present_v,
+                     mask: gs.Variable | None, head: int) -> None:
+    """Declare what the lowered graph needs: total length = past + sequence, static head dim."""
+    seq = (query.shape or [None, None])[1]
+    for past in (past_k, past_v):
+        if any(past is t for t in ir.graph.inputs) and past.shape and len(past.shape) == 4 and not is_static(past.shape[3]):
+            past.shape = [*past.shape[:3], head]
+    past_len = (past_k.shape or [None] * 4)[2]
+    if is_static(seq) or is_static(past_len) or not seq or not past_len:
+        return
+    total = f"{past_len} + {seq}"
+    for present in (present_k, present_v):
+        if any(present is t for t in ir.graph.outputs) and present.shape and len(present.shape) == 4:
+            present.shape = [present.shape[0], present.shape[1], total, head]
+    if mask is not None and mask.shape and not is_static(mask.shape[1]):
+        mask.shape = [mask.shape[0], total]
