@@ -1,9 +1,7 @@
-"""The ``qnnpasses`` command line: one module per sub-command under ``qnnpasses.commands``.
+"""qnnpasses: prepare ONNX models for Qualcomm's HTP (NPU) and check them on the real backend.
 
-Each command module exposes ``register(subparsers)``, which adds its parser and sets
-``func`` (taking the parsed arguments, returning an exit code).  Errors derived from
-:class:`QnnPassesError` become one line on stderr and their exit code; no traceback
-unless ``QNNPASSES_DEBUG=1``.
+Run ``qnnpasses COMMAND --help`` for a command's options.  Exit codes: 0 success, 1 a check
+failed, 2 bad usage or input, 3 an internal error.
 """
 
 from __future__ import annotations
@@ -16,7 +14,14 @@ import sys
 from qnnpasses.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QnnPassesError
 
 # Order is the order of `qnnpasses --help`.
-COMMANDS = ("run", "passes", "pipelines", "check", "lint", "diagnose", "analyze", "compare", "partition", "convert", "compile", "quantize", "sweep", "llm")
+COMMANDS = ("run", "passes", "pipelines", "check", "lint", "diagnose", "analyze", "compare", "partition", "convert",
+            "compile", "quantize", "sweep", "llm", "generate")
+
+EPILOG = """typical session:
+  qnnpasses check model.onnx                 what would run on the HTP, and why not
+  qnnpasses run model.onnx -o model.htp.onnx  rewrite it for the HTP (pipeline htp-llm)
+  qnnpasses compare model.onnx model.htp.onnx --on htp
+  qnnpasses compile model.htp.onnx -o model_ctx.onnx"""
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -27,29 +32,59 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's layout; wraps option help to the terminal."""
+
+
+def _broken_command(name: str, exc: BaseException):
+    def run(args) -> int:
+        raise QnnPassesError(f"the '{name}' command cannot load: {type(exc).__name__}: {exc}")
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(prog="qnnpasses", description=__doc__.splitlines()[0])
+    parser = _ArgumentParser(prog="qnnpasses", description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                             formatter_class=_Formatter)
     from qnnpasses import __version__
 
     parser.add_argument("--version", action="version", version=f"qnnpasses {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
-    subparsers.required = True
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                       parser_class=_ArgumentParser)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"qnnpasses.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"qnnpasses.commands.{name}":
-                continue  # command not built yet
-            raise
+        except Exception as exc:  # noqa: BLE001 - a broken command is reported, never silently dropped
+            sys.stderr.write(f"qnnpasses: error: the '{name}' command cannot load: {type(exc).__name__}: {exc}\n")
+            broken = subparsers.add_parser(name, help=f"(cannot load: {type(exc).__name__})")
+            broken.set_defaults(func=_broken_command(name, exc))
+            continue
+        before = set(subparsers.choices)
         module.register(subparsers)
+        for added in set(subparsers.choices) - before:
+            sub = subparsers.choices[added]
+            sub.formatter_class = _Formatter
+            sub.add_argument("-v", "--verbose", action="store_true",
+                             help="also print the backend's own log lines (onnxruntime, QNN)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
     try:
-        return int(args.func(args) or 0)
+        return _run(args)
+    except BrokenPipeError:
+        # the reader went away (`qnnpasses lint ... | head`): stop quietly, like any Unix tool
+        _silence_stdout()
+        return 141
     except QnnPassesError as exc:
         if os.environ.get("QNNPASSES_DEBUG"):
             raise
@@ -65,6 +100,50 @@ def main(argv: list[str] | None = None) -> int:
             f"qnnpasses: internal error: {type(exc).__name__}: {exc} (set QNNPASSES_DEBUG=1 for a traceback)\n"
         )
         return EXIT_INTERNAL
+    finally:
+        _report_backend_log(getattr(args, "verbose", False))
+
+
+def _run(args) -> int:
+    from qnnpasses.progress import listening, stderr_listener
+
+    quiet = getattr(args, "quiet", False)
+    if quiet:
+        code = int(args.func(args) or 0)
+    else:
+        with listening(stderr_listener(sys.stderr)):
+            code = int(args.func(args) or 0)
+    sys.stdout.flush()  # a closed pipe shows here, inside the handler
+    return code
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _report_backend_log(verbose: bool) -> None:
+    """The backend's log lines: all of them with -v, else one summary line."""
+    htp = sys.modules.get("qnnpasses.backends.htp")
+    lines = list(getattr(htp, "BACKEND_LOG", []) or [])
+    if not lines:
+        return
+    del htp.BACKEND_LOG[:]
+    try:
+        if verbose:
+            sys.stderr.write("".join(f"backend: {line}\n" for line in lines))
+        else:
+            warnings = sum(1 for line in lines if "[W:" in line or "WARNING" in line.upper())
+            errors = sum(1 for line in lines if "[E:" in line or "<E>" in line or "ERROR" in line.upper())
+            kinds = ", ".join(f"{n} {k}" for n, k in ((errors, "error(s)"), (warnings, "warning(s)")) if n)
+            sys.stderr.write(f"qnnpasses: the backend logged {len(lines)} line(s)"
+                             + (f" ({kinds})" if kinds else "") + "; -v shows them\n")
+    except (BrokenPipeError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -2,25 +2,7 @@
 
 from __future__ import annotations
 
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024.0 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024.0
-    return f"{n} B"
-
-
-def fmt_count(n: float) -> str:
-    value = float(n)
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(value) < 1000.0 or unit == "T":
-            return f"{value:.0f}{unit}" if not unit else f"{value:.2f}{unit}"
-        value /= 1000.0
-    return str(n)
+from qnnpasses.units import fmt_bytes, fmt_flops
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -74,9 +56,9 @@ def _kv(k: dict) -> list[str]:
 
 def _cost(report: dict, top: int) -> list[str]:
     cost = report["cost"]
-    out = [(f"cost: {fmt_count(cost['total_flops'])}FLOPs, {fmt_bytes(cost['total_bytes'])} moved; "
+    out = [(f"cost: {fmt_flops(cost['total_flops'])}, {fmt_bytes(cost['total_bytes'])} moved; "
             f"{cost['memory_bound_nodes']} nodes memory bound (intensity < {cost['ridge']:g} FLOPs/byte)")]
-    rows = [[op, str(e["count"]), fmt_count(e["flops"]), f"{e['flops_share']:.1%}", fmt_bytes(e["bytes"])]
+    rows = [[op, str(e["count"]), fmt_flops(e["flops"]), f"{e['flops_share']:.1%}", fmt_bytes(e["bytes"])]
             for op, e in list(report["op_types"].items())[:top]]
     out += ["  " + r for r in table(["op type", "count", "FLOPs", "share", "bytes"], rows)]
     by_name = {o["name"]: o for o in report["ops"]}
@@ -85,7 +67,7 @@ def _cost(report: dict, top: int) -> list[str]:
     for name in report["hotspots"][:top]:
         o = by_name[name]
         intensity = f"{o['intensity']:.1f}" if o["intensity"] is not None else "-"
-        rows.append([name, o["op_type"], fmt_count(o["flops"]), fmt_bytes(o["bytes"]), intensity,
+        rows.append([name, o["op_type"], fmt_flops(o["flops"]), fmt_bytes(o["bytes"]), intensity,
                      "memory" if o["memory_bound"] else "compute"])
     out += ["    " + r for r in table(["node", "op", "FLOPs", "bytes", "FLOPs/B", "bound"], rows)]
     return out

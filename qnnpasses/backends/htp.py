@@ -20,6 +20,7 @@ accuracy checks — goes through this module, so the quirks live in one place:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -47,6 +48,57 @@ EP_NAME = "QNNExecutionProvider"
 
 _register_lock = threading.Lock()
 _registered = False
+
+
+# --------------------------------------------------------------------------- backend log
+
+#: Lines the backend libraries printed (ANSI colour codes removed), oldest first; the command
+#: line summarises them, and prints them with ``-v``.
+BACKEND_LOG: list[str] = []
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+#: Off in the probe child, whose parent reads the raw log from the child's stderr.
+_capture = True
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI_RE.sub("", text)
+
+
+@contextlib.contextmanager
+def captured_backend_output() -> Iterator[None]:
+    """Collect what onnxruntime and the QNN libraries write to the process's stdout/stderr
+    file descriptors (their log bypasses Python) into :data:`BACKEND_LOG`."""
+    if not _capture:
+        yield
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", errors="replace")
+            BACKEND_LOG.extend(line.strip() for line in strip_ansi(text).splitlines() if line.strip())
+
+
+def _flush_c_stdio() -> None:
+    """Flush C stdio buffers, so the libraries' buffered lines land in the capture."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # noqa: BLE001 - best effort: without it a line may appear later
+        pass
 
 
 # --------------------------------------------------------------------------- sessions
@@ -146,7 +198,11 @@ def htp_session(
     so.add_provider_for_devices(devices, provider_options(fp16=fp16, backend=backend, extra_options=extra_options))
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    sess = ort.InferenceSession(model, sess_options=so)
+    from qnnpasses.progress import step
+
+    step(f"preparing {Path(model).name if isinstance(model, str) else 'the model'} on the {backend.upper()} backend")
+    with captured_backend_output():
+        sess = ort.InferenceSession(model, sess_options=so)
     # onnxruntime's Python wrapper otherwise answers a failed HTP run by silently re-running
     # the whole model on the CPU EP: outputs that claim to be HTP's would be CPU's.
     sess.disable_fallback()
@@ -157,7 +213,8 @@ def run_on_htp(model: ModelArg, inputs: dict[str, np.ndarray], **kw: Any) -> dic
     """Run ``model`` once on HTP (keywords as :func:`htp_session`); outputs by name."""
     sess = htp_session(model, **kw)
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, inputs)))
+    with captured_backend_output():
+        return dict(zip(names, sess.run(names, inputs)))
 
 
 _NP_BY_ORT_TYPE = {
@@ -412,6 +469,9 @@ def probe_placement(
     timeout, a crash or a failed finalize gives ``ok=False`` and a one-line ``error``.
     ``keep_dir`` keeps the artefacts (log, profile, QNN graph JSON) there for inspection.
     """
+    from qnnpasses.progress import step
+
+    step(f"asking the {backend.upper()} backend about {Path(model_path).name} (up to {timeout:g} s)")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="qnnpasses_probe_") as tmp:
         work = Path(keep_dir) if keep_dir else Path(tmp)
@@ -500,6 +560,8 @@ def _child_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fp16", dest="fp16", action="store_false")
     parser.add_argument("--no-optimize", dest="optimize", action="store_false")
     args = parser.parse_args(argv)
+    global _capture
+    _capture = False  # the parent parses this process's stderr
     # The backend's own log level is fixed when the EP library registers: go verbose first.
     ort.set_default_logger_severity(0)
     work = Path(args.workdir)

@@ -1,6 +1,6 @@
 """``qnnpasses check``: which nodes of a model would run on the HTP, and why not.
 
-The prediction uses the measured op-support table; ``--real`` also asks the real QNN HTP
+The prediction uses the measured op-support table; ``--on htp`` also asks the real QNN HTP
 backend (onnxruntime-qnn, in a child process) and shows both, so a wrong table entry is
 visible as a disagreement rather than a silent misprediction.
 """
@@ -10,38 +10,81 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from qnnpasses.commands.common import add_deprecated, add_format_arg, add_on_arg, add_shape_arg, load_shaped, shaped_path
 from qnnpasses.errors import BackendUnavailableError, BadInputError
-from qnnpasses.ir.load import load_model
+from qnnpasses.wording import explain
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("check", help="predict per-node HTP support from the op-support table")
+    parser = subparsers.add_parser(
+        "check", help="which nodes of a model would run on the HTP, and why the others would not",
+        description="Predict, node by node, whether the HTP runs each node (from the measured op-support "
+                    "table); with --on htp also ask the real backend and show both.")
     parser.add_argument("model", help="ONNX model")
-    parser.add_argument("--backend", choices=("htp",), default="htp", help="op-support table to check against")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
-    parser.add_argument("--real", action="store_true",
-                        help="also create a session on the real QNN HTP backend (graph optimizations off, so nodes "
-                             "match) and report where each node actually ran")
+    parser.add_argument("--backend", choices=("htp",), default="htp", help="accelerator to check against")
+    add_on_arg(parser, ("htp",), None,
+               "also load the model on the real HTP backend and report where each node actually ran")
+    add_deprecated(parser, "--real", "on", "--on htp", value="htp")
+    add_shape_arg(parser)
+    add_format_arg(parser)
     parser.set_defaults(func=main)
 
 
 def main(args) -> int:
     from qnnpasses.op_support.checker import check_graph, summarize
 
-    ir = load_model(args.model)
+    ir = load_shaped(args)
     results = check_graph(ir.graph, args.backend)
+    static = is_static_inputs(ir)
     report: dict[str, Any] = {
-        "nodes": [{"name": r.name, "op_type": r.op_type, "supported": r.supported, "reasons": r.reasons,
-                   "qnn_op": r.qnn_op, "notes": r.notes} for r in results],
+        "nodes": [{"name": r.name, "op_type": r.op_type, "supported": r.supported,
+                   "reasons": [explain(x, r.name, static_inputs=static) for x in r.reasons],
+                   "cause": cause(ir, r), "qnn_op": r.qnn_op, "notes": r.notes} for r in results],
         "summary": summarize(ir.graph, results).to_dict(),
     }
-    if args.real:
-        _add_real_placement(report, args.model)
+    if not all(r.supported for r in results):
+        report["summary"]["after_constant_folding"] = _after_folding(ir, args.backend)
+    if args.on == "htp":
+        with shaped_path(args) as path:
+            _add_real_placement(report, path)
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
         print(render_text(args.model, report))
     return 0
+
+
+def is_static_inputs(ir) -> bool:
+    from qnnpasses.ir.shapes import symbolic_dims
+
+    inputs = {t.name for t in ir.graph.inputs}
+    return not any(name in inputs for name in symbolic_dims(ir.graph))
+
+
+def cause(ir, verdict) -> str | None:
+    """Why a node is off the HTP, as lint files it: "op", "rank", "constant" or "dynamic"."""
+    if verdict.supported:
+        return None
+    from qnnpasses.lint.rules_support import classify
+    from qnnpasses.op_support import load_table, lookup
+
+    node = next((n for n in ir.graph.nodes if n.name == verdict.name), None)
+    entry = lookup(load_table("htp"), node.op, node.domain) if node is not None else None
+    kinds = [classify(r, entry) for r in verdict.reasons]
+    return kinds[0] if kinds else "op"
+
+
+def _after_folding(ir, backend: str) -> dict[str, int]:
+    """How many nodes stay off the HTP once shape arithmetic is folded (as onnxruntime does on load)."""
+    from qnnpasses.op_support.checker import check_graph
+    from qnnpasses.passmanager.api import PassContext
+    from qnnpasses.passmanager.manager import PassManager
+    from qnnpasses.passmanager.spec import parse_pipeline
+
+    folded = ir.copy()
+    PassManager(parse_pipeline("simplify{use_onnxsim=false}"), context=PassContext()).run(folded)
+    results = check_graph(folded.graph, backend)
+    return {"nodes": len(results), "unsupported": sum(not r.supported for r in results)}
 
 
 def _add_real_placement(report: dict[str, Any], model_path: str) -> None:
@@ -73,29 +116,48 @@ def _add_real_placement(report: dict[str, Any], model_path: str) -> None:
     }
 
 
+CAUSES = {"op": "op not supported", "rank": "tensor rank too high", "constant": "operand must be a constant",
+          "dynamic": "shape unknown until run time"}
+
+
 def render_text(model: str, report: dict[str, Any]) -> str:
     """Summary first, then every node that will not run on the HTP, with its reasons."""
     s = report["summary"]
-    headline = (f"{model}: {s['nodes']} nodes, {s['supported']} predicted on HTP, {s['unsupported']} not"
+    headline = (f"{model}: {s['nodes']} nodes, {s['supported']} predicted on the HTP, {s['unsupported']} not"
                 f" (predicted partitions: HTP {s['partitions']['htp']}, CPU {s['partitions']['cpu']})")
     lines = [headline]
     if s.get("unknown"):
         lines.append(f"  {s['unknown']} node(s) with unknown dtype/shape: predictions there are optimistic")
     real = s.get("real")
     if real:
-        status = "ran" if real["ok"] else f"FAILED: {real['error']}"
+        status = "ran" if real["ok"] else f"FAILED: {explain(real['error'] or '')}"
         lines.append(f"  real HTP backend: {status}; {real['qnn_partitions']} QNN partition(s), "
                      f"{real['cpu_nodes']} CPU node(s), agreement with the table {real['agreement']:.1%}")
     bad = [n for n in report["nodes"]
            if not n["supported"] or (n.get("real") and n["real"]["placement"] not in ("htp", "unknown"))]
     if bad:
-        lines.append("nodes not on HTP:")
+        lines.append("nodes not on the HTP:")
     for n in bad:
-        predicted = "; ".join(n["reasons"]) or "predicted on HTP"
+        predicted = "; ".join(n["reasons"]) or "predicted on the HTP"
         lines.append(f"  {n['name']} ({n['op_type']}): {predicted}")
         if n.get("real"):
-            lines.append(f"      real: {n['real']['placement']}" + (f" - {n['real']['reason']}" if n["real"]["reason"] else ""))
-    unsupported_types = {op: c["unsupported"] for op, c in s["by_op_type"].items() if c["unsupported"]}
-    if unsupported_types:
-        lines.append("unsupported op types: " + ", ".join(f"{op} x{n}" for op, n in sorted(unsupported_types.items())))
+            reason = explain(n["real"]["reason"] or "", n["name"])
+            lines.append(f"      real: {n['real']['placement']}" + (f" - {reason}" if reason else ""))
+    by_cause: dict[str, dict[str, int]] = {}
+    for n in report["nodes"]:
+        if not n["supported"]:
+            ops = by_cause.setdefault(n.get("cause") or "op", {})
+            ops[n["op_type"]] = ops.get(n["op_type"], 0) + 1
+    if by_cause:
+        lines.append("why, by cause:")
+        for key in ("op", "rank", "constant", "dynamic"):
+            if key in by_cause:
+                ops = ", ".join(f"{op} x{c}" for op, c in sorted(by_cause[key].items()))
+                lines.append(f"  {CAUSES[key]}: {ops}")
+    folded = s.get("after_constant_folding")
+    if folded is not None:
+        if folded["unsupported"] < s["unsupported"]:
+            lines.append(f"after constant folding (what onnxruntime does when it loads the model; "
+                         f"`qnnpasses run` does it for the converter): {folded['unsupported']} of "
+                         f"{folded['nodes']} nodes not on the HTP")
     return "\n".join(lines)

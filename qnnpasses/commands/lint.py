@@ -11,20 +11,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qnnpasses.errors import EXIT_CHECK_FAILED, BadInputError
+from qnnpasses.commands.common import add_format_arg, add_shape_arg, load_shaped
+from qnnpasses.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, BadInputError
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("lint", help="find what keeps a model off the HTP, and the pass that fixes it")
+    parser = subparsers.add_parser(
+        "lint", help="find what keeps a model off the HTP, and the pass that fixes it",
+        description="Check models before conversion: each finding has a rule id, a severity and the pass "
+                    "(or manual step) that fixes it.  Exit 1 when a finding reaches --fail-on, 3 when a rule "
+                    "crashed (the report is then incomplete).")
     parser.add_argument("model", nargs="*", help="ONNX model(s)")
-    parser.add_argument("--backend", choices=("htp",), default="htp", help="op-support table to lint against")
-    parser.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    parser.add_argument("--backend", choices=("htp",), default="htp", help="accelerator to lint for")
+    add_format_arg(parser, ("text", "json", "sarif"))
     parser.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
                         help="exit 1 when a finding of this severity or worse is found (default: error)")
     parser.add_argument("--ignore", action="append", default=[], metavar="RULE",
                         help="skip a rule, by id (QP010) or name (float32-without-plan); repeatable or comma-separated")
     parser.add_argument("--list-rules", action="store_true", help="print the rules and exit")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
+    add_shape_arg(parser)
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the report to this file instead of stdout")
     parser.set_defaults(func=main)
 
 
@@ -35,7 +41,7 @@ def main(args) -> int:
     rules = all_rules()
     if args.list_rules:
         for r in rules:
-            print(f"{r.id}  {r.name:<24} {r.severity:<8} {r.summary}  [fix: {r.fix}]")
+            print(f"{r.id}  {r.name:<26} {r.severity:<8} {r.summary}  [fix: {r.fix}]")
         return 0
     if not args.model:
         raise BadInputError("lint needs at least one MODEL (or --list-rules)")
@@ -44,16 +50,27 @@ def main(args) -> int:
     if unknown:
         raise BadInputError(f"--ignore: unknown rule(s) {', '.join(sorted(unknown))} (see --list-rules)")
     config = LintConfig(backend=args.backend, ignore=frozenset(ignore))
-    reports = [lint_model(model, config) for model in args.model]
+    reports = []
+    for model in args.model:
+        if args.shape:
+            ir = load_shaped(args, model)
+            ir.path = ir.path or model
+            report = lint_model(ir, config)
+            report.model = model
+        else:
+            report = lint_model(model, config)
+        reports.append(report)
     text = "\n".join(render(report, args.format) for report in reports) if args.format == "text" or len(reports) == 1 \
         else _merged(reports, args.format)
     if args.output:
         Path(args.output).write_text(text + "\n")
     else:
         sys.stdout.write(text + "\n")
-    for report in reports:
-        for rule_id, error in report.rule_failures.items():
-            sys.stderr.write(f"qnnpasses: warning: {report.model}: rule {rule_id} failed and was skipped: {error}\n")
+    crashed = [(report.model, rule_id, error) for report in reports for rule_id, error in report.rule_failures.items()]
+    for model, rule_id, error in crashed:
+        sys.stderr.write(f"qnnpasses: error: {model}: rule {rule_id} crashed and was skipped: {error}\n")
+    if crashed:
+        return EXIT_INTERNAL
     return EXIT_CHECK_FAILED if any(r.fails(args.fail_on) for r in reports) else 0
 
 

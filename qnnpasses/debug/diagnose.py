@@ -161,6 +161,9 @@ class _WindowProber:
             return False
         sub = extract(self.ng, sorted(members | self.ng.constant_closure(members)), inputs, outputs)
         path = save_partition(sub, self.work / f"window_{start}_{end}.onnx")
+        from qnnpasses.progress import step
+
+        step(f"bisecting: trying nodes {start}..{end - 1} of {len(self.order)} alone")
         placement = probe_placement(path, timeout=self.timeout)
         failed = failure_kind(placement.error) == self.kind if not placement.ok else False
         self.probes.append(Probe(start, end, failed, placement.error, placement.backend_errors, placement.seconds))

@@ -39,8 +39,14 @@ def quantize_qdq(model: str | Path, out: Path, samples: list[dict[str, np.ndarra
         def get_next(self):
             return next(self._it, None)
 
-    config = get_qnn_qdq_config(str(model), Reader(), activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8)
-    quantize(str(model), str(out), config)
+    from qnnpasses.progress import step
+    from qnnpasses.quant.driver import quiet_quantizer
+
+    step(f"quantizing to QDQ, calibrating on {len(samples)} sample(s)")
+    with quiet_quantizer():
+        config = get_qnn_qdq_config(str(model), Reader(), activation_type=QuantType.QUInt16,
+                                    weight_type=QuantType.QUInt8)
+        quantize(str(model), str(out), config)
     return out
 
 
@@ -63,9 +69,13 @@ def compile_and_verify(model: str | Path, out: str | Path, *, mode: str = "fp16"
     inputs = inputs if inputs is not None else make_inputs(ir)
     source = Path(model)
     if mode == "qdq":
-        source = quantize_qdq(model, out.with_name(out.stem + ".qdq.onnx"), calibration or [inputs])
+        samples = calibration or [inputs]
+        source = quantize_qdq(model, out.with_name(out.stem + ".qdq.onnx"), samples)
     fp16 = mode == "fp16"
     report: dict[str, Any] = {"model": str(model), "output": str(out), "mode": mode, "compiled_from": str(source)}
+    if mode == "qdq":
+        report["calibration_samples"] = len(samples)
+        report["calibrated_on"] = "calibration data" if calibration else "the check inputs (no --calib given)"
     compiled = compile_model(source, out, fp16=fp16, embed=embed, weight_bytes=ir.weight_bytes())
     report["compile"] = compiled
     if not compiled.get("ok"):

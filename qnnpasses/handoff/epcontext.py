@@ -103,6 +103,9 @@ def compile_model(model: str | Path, out: str | Path, *, fp16: bool = True, embe
     for stale in (out, out.with_name(f"{out.stem}_qnn.bin")):
         if stale.exists():
             stale.unlink()  # the EP refuses to overwrite an existing context model
+    from qnnpasses.progress import step
+
+    step(f"compiling {Path(model).name} into an HTP context binary")
     with tempfile.TemporaryDirectory(prefix="qnnpasses_ctx_") as tmp:
         args = ["compile", str(model), "--out", str(out), "--embed", "1" if embed else "0"]
         result = _run_child(args + ([] if fp16 else ["--no-fp16"]), Path(tmp), "compile")
@@ -115,6 +118,9 @@ def compile_model(model: str | Path, out: str | Path, *, fp16: bool = True, embe
 
 def timed_load(model: str | Path, inputs: dict[str, np.ndarray], *, fp16: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Session-creation time of ``model`` on the HTP in a fresh process, and its outputs."""
+    from qnnpasses.progress import step
+
+    step(f"loading {Path(model).name} on the HTP in a fresh process and running it")
     with tempfile.TemporaryDirectory(prefix="qnnpasses_load_") as tmp:
         work = Path(tmp)
         np.savez(work / "inputs.npz", **inputs)

@@ -34,8 +34,9 @@ def render(report, fmt: str) -> str:
 def to_text(report) -> str:
     """A headline, then the findings rule by rule (at most TEXT_PER_RULE each), each with its fix."""
     c = report.counts()
+    crashed = f", {len(report.rule_failures)} crashed" if report.rule_failures else ""
     headline = (f"{report.model}: {c['error']} error(s), {c['warning']} warning(s), {c['info']} info "
-                f"({len(report.rules)} rules, {report.seconds:.1f} s)")
+                f"({len(report.rules)} rules{crashed}, {report.seconds:.1f} s)")
     lines = [headline]
     rules = {r.id: r for r in report.rules}
     shown: dict[str, int] = {}
@@ -55,7 +56,9 @@ def to_text(report) -> str:
     if fixes:
         lines.append("fixes: " + "; ".join(f"{fix} (x{n})" for fix, n in sorted(fixes.items(), key=lambda kv: -kv[1])))
     for rule_id, error in report.rule_failures.items():
-        lines.append(f"rule {rule_id} failed and was skipped: {error}")
+        name = rules[rule_id].name if rule_id in rules else ""
+        lines.append(f"error: rule {rule_id} {name} crashed and was skipped ({error}): "
+                     "its findings are missing from this report")
     return "\n".join(lines)
 
 
@@ -111,8 +114,12 @@ def to_sarif(report) -> dict[str, Any]:
         "results": [_result(f, rule_index, uri, report.graph) for f in report.findings],
         "properties": {"backend": report.backend, "summary": report.summary()},
     }
+    # a rule that crashed leaves the lint incomplete: the run did not execute successfully
+    invocation: dict[str, Any] = {"executionSuccessful": not report.rule_failures}
     if report.rule_failures:
-        run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": [
-            {"level": "warning", "message": {"text": f"rule {rid} failed: {err}"}, "descriptor": {"id": rid}}
-            for rid, err in report.rule_failures.items()]}]
+        invocation["toolExecutionNotifications"] = [
+            {"level": "error", "message": {"text": f"rule {rid} crashed and was skipped: {err}"},
+             "descriptor": {"id": rid, "index": rule_index[rid]} if rid in rule_index else {"id": rid}}
+            for rid, err in report.rule_failures.items()]
+    run["invocations"] = [invocation]
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}

@@ -60,9 +60,10 @@ class Rule:
         return list(self.check(ctx, self))
 
     def finding(self, node: str | None, op_type: str | None, message: str, *, fix: str | None = None,
-                severity: str | None = None, **details: Any) -> Finding:
-        """A finding of this rule (default severity and fix unless given)."""
-        return Finding(self.id, severity or self.severity, node, op_type, message, fix or self.fix, details)
+                **details: Any) -> Finding:
+        """A finding of this rule, at the rule's severity (the one ``--list-rules`` shows: a
+        finding never reports a rule at another severity), with the rule's fix unless given."""
+        return Finding(self.id, self.severity, node, op_type, message, fix or self.fix, details)
 
 
 RULES: dict[str, Rule] = {}

@@ -59,19 +59,27 @@ def zero_sized(ctx: LintContext, r: Rule) -> Iterator[Finding]:
                         tensor=name)
 
 
-@rule("QP007", "old-opset", "warning", "an opset older than the passes (13) or the QNN EP (7) need",
+@rule("QP007", "old-opset", "warning", "an opset older than the passes need (13)",
       fix="manual: re-export with opset >= 17 (torch.onnx.export(..., opset_version=17))",
       help_uri="https://onnx.ai/onnx/repo-docs/Versioning.html")
 def old_opset(ctx: LintContext, r: Rule) -> Iterator[Finding]:
+    """Below opset 13 the rewrite passes do not apply: they assume the opset-13 forms (axes as
+    inputs of Squeeze/Unsqueeze/ReduceSum, Split sizes as an input, Softmax over one axis
+    instead of a 2-D coercion).  Below opset 7 the model is QP019 (error) instead."""
+    opset = ctx.ir.opset
+    if MIN_EP_OPSET <= opset < MIN_PASS_OPSET:
+        yield r.finding(None, None, f"opset {opset} < {MIN_PASS_OPSET}: the rewrite passes assume opset-13 forms")
+
+
+@rule("QP019", "opset-below-ep", "error", "an opset older than the QNN EP accepts (7): nothing runs on the HTP",
+      fix="manual: re-export with opset >= 17 (torch.onnx.export(..., opset_version=17))",
+      help_uri="https://onnx.ai/onnx/repo-docs/Versioning.html")
+def opset_below_ep(ctx: LintContext, r: Rule) -> Iterator[Finding]:
     """Below opset 7 onnxruntime declines the QNN EP for the whole model (everything runs on
-    the CPU).  Below opset 13 the rewrite passes do not apply: they assume the opset-13 forms
-    (axes as inputs of Squeeze/Unsqueeze/ReduceSum, Split sizes as an input, Softmax over one
-    axis instead of a 2-D coercion)."""
+    the CPU)."""
     opset = ctx.ir.opset
     if opset < MIN_EP_OPSET:
-        yield r.finding(None, None, f"opset {opset} < {MIN_EP_OPSET}: the QNN EP declines the whole model", severity="error")
-    elif opset < MIN_PASS_OPSET:
-        yield r.finding(None, None, f"opset {opset} < {MIN_PASS_OPSET}: the rewrite passes assume opset-13 forms")
+        yield r.finding(None, None, f"opset {opset} < {MIN_EP_OPSET}: the QNN EP declines the whole model")
 
 
 @rule("QP008", "weights-too-large", "error", "more weights than one HTP graph can hold (2 GiB)",

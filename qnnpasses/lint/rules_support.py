@@ -18,6 +18,7 @@ from qnnpasses.ir.shapes import symbolic_dims
 from qnnpasses.lint.context import SIMPLIFY, LintContext
 from qnnpasses.lint.registry import Finding, Rule, rule
 from qnnpasses.op_support import lookup
+from qnnpasses.wording import explain
 
 #: Pipelines tried, in order, as the fix of an unsupported node.
 FIXERS = (SIMPLIFY, "gathernd", "fuse-gelu", "decompose-gelu", "decompose-layernorm", "fuse-layernorm",
@@ -42,12 +43,14 @@ def classify(reason: str, entry: dict[str, Any] | None) -> str:
 
 def node_problems(ctx: LintContext, kind: str) -> Iterator[tuple[Any, list[str]]]:
     """(verdict, reasons of ``kind``) for every unsupported node with such reasons."""
+    inputs = {t.name for t in ctx.graph.inputs}
+    static = not any(name in inputs for name in symbolic_dims(ctx.graph))
     for verdict in ctx.support:
         if verdict.supported:
             continue
         node = ctx.nodes[verdict.name]
         entry = lookup(ctx.table, node.op, node.domain)
-        mine = [r.replace("<node>", node.name) for r in verdict.reasons if classify(r, entry) == kind]
+        mine = [explain(r, node.name, static_inputs=static) for r in verdict.reasons if classify(r, entry) == kind]
         if mine:
             yield verdict, mine
 
@@ -57,13 +60,14 @@ def _node_fix(ctx: LintContext, name: str, fixers) -> str | None:
 
 
 def node_finding(ctx: LintContext, r: Rule, verdict: Any, message: str, fixers, fallback: str | None = None) -> Finding:
-    """A finding on an unsupported node, with its fix; a warning when constant folding alone
-    removes it: onnxruntime folds such nodes when it creates a session, so the EP never sees
-    them (measured: every TorchScript fixture compiles whole on the HTP), but the QNN
-    converter and other runtimes need them folded first."""
+    """A finding on an unsupported node, with its fix, at the rule's severity.  When constant
+    folding alone removes the node the message says so: onnxruntime folds such nodes when it
+    creates a session, so the EP never sees them (measured: every TorchScript fixture compiles
+    whole on the HTP), but the QNN converter and other runtimes need them folded first — the
+    model as written is not ready for the converter, so it stays an error."""
     fix = _node_fix(ctx, verdict.name, fixers)
     if fix == "simplify":
-        return r.finding(verdict.name, verdict.op_type, f"{message} [constant-foldable]", fix=fix, severity="warning")
+        return r.finding(verdict.name, verdict.op_type, f"{message} [constant-foldable]", fix=fix)
     return r.finding(verdict.name, verdict.op_type, message, fix=fix or fallback)
 
 

@@ -148,7 +148,9 @@ class CalibrationData(Sequence):
     # -- discovery
 
     def _discover(self) -> None:
-        path = self.source
+        # absolute: samples are read lazily, and onnxruntime's quantizer changes the working
+        # directory while it calibrates (a relative folder then points nowhere)
+        path = self.source.absolute()
         if not path.exists():
             raise BadInputError(f"calibration data not found: {path}")
         if path.is_dir():

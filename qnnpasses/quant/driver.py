@@ -44,6 +44,7 @@ from qnnpasses.passmanager.named import get_pipeline, named_pipelines
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
 from qnnpasses.quant.policy import Plan, PrecisionPolicy, make_plan
+from qnnpasses.quant.weights import refine_weights
 
 PIPELINE_KEY = "qnnpasses.passmanager.spec"
 QUANT_KEY = "qnnpasses.quantization"
@@ -70,11 +71,12 @@ class QuantizeResult:
     prep: PrepResult
     seconds: float
     calibration_samples: int
+    weights: dict[str, Any] = field(default_factory=dict)  # refine_weights' report (mse / blocks)
 
     def as_dict(self) -> dict[str, Any]:
         return {"output": str(self.output), "policy": asdict(self.policy), "plan": self.plan.summary(),
                 "pipeline": self.prep.pipeline, "prep_passes": self.prep.records, "seconds": round(self.seconds, 2),
-                "calibration_samples": self.calibration_samples}
+                "calibration_samples": self.calibration_samples, "weights": self.weights}
 
 
 def resolve_pipeline(pipeline: str) -> Pipeline:
@@ -97,6 +99,14 @@ def quant_prep(ir: IRModel, calib: CalibrationData | None) -> list[dict[str, Any
     samples = calib.head(PREP_SAMPLES) if calib is not None else None
     config = RunConfig(verify=bool(samples), inputs=samples[0] if samples else None)
     result = PassManager(parse_pipeline(QUANT_PREP), config, context=PassContext(calibration=samples)).run(ir)
+    return [_brief(r) for r in result.records]
+
+
+def outlier_rewrites(ir: IRModel, spec: str, calib: CalibrationData | None) -> list[dict[str, Any]]:
+    """The policy's outlier rewrites (``fold-norm-weights,rotate-residual`` ...), verified on CPU."""
+    samples = calib.head(PREP_SAMPLES) if calib is not None else None
+    config = RunConfig(verify=bool(samples), inputs=samples[0] if samples else None)
+    result = PassManager(parse_pipeline(spec), config, context=PassContext(calibration=samples)).run(ir)
     return [_brief(r) for r in result.records]
 
 
@@ -139,12 +149,17 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
     _check_same_inputs(ir, calib)
     if run_prep:
         prep.records += quant_prep(ir, calib)
+    if policy.outliers:
+        prep.records += outlier_rewrites(ir, policy.outliers, calib)
     plan = make_plan(ir, policy)
     out = Path(output).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qnnpasses-quant-") as tmp:
         prepared = save_model(ir, Path(keep_prepared).resolve() if keep_prepared else Path(tmp) / "prepared.onnx")
         config = qdq_config(prepared, calib, policy, plan)
+        from qnnpasses.progress import step
+
+        step(f"calibrating on {len(calib)} sample(s) from {calib.source} ({policy.calibrate_method})")
         cwd = os.getcwd()
         os.chdir(tmp)  # the calibrator writes augmented_model.onnx into the working directory
         try:
@@ -152,8 +167,12 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
                 quantize(str(prepared.resolve()), str(out.resolve()), config)
         finally:
             os.chdir(cwd)
+        refined = {}
+        if policy.weight_scales == "mse" or policy.block_size:
+            refined = refine_weights(out, prepared, mse=policy.weight_scales == "mse",
+                                     block_size=policy.block_size).as_dict()
     _stamp(out, prep, policy)
-    return QuantizeResult(out, policy, plan, prep, time.monotonic() - start, len(calib))
+    return QuantizeResult(out, policy, plan, prep, time.monotonic() - start, len(calib), refined)
 
 
 @contextlib.contextmanager
