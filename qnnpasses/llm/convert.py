@@ -62,6 +62,7 @@ class LlmOptions:
     compile: bool = True
     try_shared: bool = True
     verify_tokens: int = 8
+    probe: bool = True
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -162,12 +163,13 @@ def _source_roles(roles: Roles) -> dict[str, Any]:
 
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
-          compile: bool = True, try_shared: bool = True, verify_tokens: int = 8) -> dict[str, Any]:
+          compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
-    options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens)
+    options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
+                         probe)
     model, out_dir = Path(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
@@ -245,13 +247,13 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if options.parts is not None or options.max_part_bytes is not None:
         for name in spec:
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
-            entries = _split(stage, ir, name, options)
+            entries = _split(stage, ir, name, manifest["graphs"][name], options)
             manifest["graphs"][name]["parts"] = entries
         report["parts_verification"] = _verify(stage, manifest, model, options) if options.precision == "fp16" else None
     from qnnpasses.backends.htp import htp_available
     from qnnpasses.llm.report import graph_facts
 
-    report["htp"] = graph_facts(stage, manifest, probe=htp_available() and options.precision == "fp16")
+    report["htp"] = graph_facts(stage, manifest, probe=options.probe and htp_available() and options.precision == "fp16")
     if options.compile:
         from qnnpasses.llm.compile import compile_graphs
 
@@ -267,10 +269,11 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     return manifest, report
 
 
-def _split(stage: Path, ir: IRModel, name: str, options: LlmOptions) -> list[dict[str, Any]]:
+def _split(stage: Path, ir: IRModel, name: str, manifest_graph: dict[str, Any], options: LlmOptions) -> list[dict[str, Any]]:
     from qnnpasses.llm.split import write_parts
 
-    entries = write_parts(ir, stage, name, parts=options.parts, max_part_bytes=options.max_part_bytes)
+    stream = manifest_graph["roles"]["input_ids"]
+    entries = write_parts(ir, stage, name, stream, parts=options.parts, max_part_bytes=options.max_part_bytes)
     (stage / f"{name}.onnx").unlink()
     return entries
 

@@ -1,0 +1,209 @@
+"""`qnnpasses llm`: a dynamic-KV export -> a static prefill + decode pair, checked for real.
+
+Random-weight fixtures (`llama_gqa_kv_dyn_ts`: dynamic sequence and past; `llama_gqa_kv_dyn_dynamo`:
+dynamic past, new-token count fixed to 1 by the export, so its prefill is 1), context 256.
+The static graphs must compute what the original export computes with the unpadded cache
+(CPU, max abs 1e-4 over a chunked, padded prompt and decode steps), hold no Concat of the
+cache, output only the new K/V, run on the HTP as one partition with no CPU node (CPU
+fallback disabled), and size the cache exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import fixture_path, requires_htp
+
+from qnnpasses.llm.manifest import load_manifest, part_paths
+from qnnpasses.llm.verify import PartsRunner, compare_sequence, static_feed
+
+CONTEXT = 256
+BUILDS = {  # fixture -> (prefill, build options)
+    "llama_gqa_kv_dyn_ts": (16, {"compile": True}),
+    "llama_gqa_kv_dyn_dynamo": (1, {"compile": False, "probe": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from qnnpasses.llm.convert import build
+
+    cache = {}
+
+    def get(name: str, **extra):
+        key = (name, tuple(sorted(extra.items())))
+        if key not in cache:
+            prefill, options = BUILDS[name]
+            out = tmp_path_factory.mktemp(name.replace("llama_gqa_kv_dyn_", "llm_"))
+            build(fixture_path(name), out / "pair", context=CONTEXT, prefill=prefill, **{**options, **extra})
+            cache[key] = load_manifest(out / "pair")
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_static_pair_matches_the_original_export_on_cpu(name, built):
+    manifest = built(name)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, manifest["vocab"], 37)]
+    result = compare_sequence(manifest["dir"], manifest, fixture_path(name), prompt, new_tokens=6)
+    expected_calls = (3 if manifest["prefill"] == 16 else 37) + 5  # 16 + 16 + 5 (padded), then 5 decode steps
+    assert result["calls"] == expected_calls
+    assert result["logits"] <= 1e-4 and result["kv"] <= 1e-4, result
+    report = json.loads((manifest_dir(manifest) / "report.json").read_text())
+    assert report["verification"]["ok"] and report["verification"]["max_abs"] <= 1e-4
+
+
+def manifest_dir(manifest):
+    from pathlib import Path
+
+    return Path(manifest["dir"])
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_cache_is_outside_the_graph_and_outputs_are_new_kv_only(name, built):
+    manifest = built(name)
+    heads, dim = manifest["kv_heads"], manifest["head_dim"]
+    for graph_name, graph in manifest["graphs"].items():
+        proto = onnx.load(str(part_paths(manifest, graph_name, compiled=False)[0]))
+        roles = graph["roles"]
+        past = set(roles["past_key"] + roles["past_value"])
+        assert not [n.name for n in proto.graph.node if n.op_type == "Concat" and past & set(n.input)]
+        outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in proto.graph.output}
+        assert set(outputs) == {roles["logits"], *roles["new_key"], *roles["new_value"]}
+        for new in roles["new_key"] + roles["new_value"]:
+            assert outputs[new] == [1, heads, graph["tokens"], dim]
+        for name_ in past:
+            assert graph["io"][name_]["shape"] == [1, heads, graph["past"], dim]
+        assert graph["tokens"] + graph["past"] == CONTEXT
+        assert graph["io"][roles["attention_mask"]]["shape"] == [1, CONTEXT]
+        assert roles["position_ids"] == "position_ids"  # exposed: both exports derived positions from the past length
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_kv_cache_bytes_are_exact_and_analyze_agrees(name, built, capsys):
+    from qnnpasses.llm.report import analyze_kv, kv_cache_bytes
+
+    manifest = built(name)
+    expected = 2 * manifest["layers"] * manifest["kv_heads"] * manifest["head_dim"] * CONTEXT * 4
+    assert expected == 2 * 2 * 2 * 16 * 256 * 4
+    for graph_name in ("decode", "prefill"):
+        assert kv_cache_bytes(manifest["graphs"][graph_name]) == expected
+        path = part_paths(manifest, graph_name, compiled=False)[0]
+        assert analyze_kv(path, CONTEXT)["bytes_fp32"] == expected
+    # without --context, analyze reads the context off the decode graph itself
+    from qnnpasses.cli import main
+
+    capsys.readouterr()
+    assert main(["analyze", str(part_paths(manifest, "decode", compiled=False)[0]), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_cache"]["bytes_fp32"] == expected
+
+
+@requires_htp
+@pytest.mark.parametrize("graph_name", ["prefill", "decode"])
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_graphs_run_on_the_htp_as_one_partition(name, graph_name, built, tmp_path):
+    from qnnpasses.backends.htp import htp_session, parse_profile
+
+    manifest = built(name)
+    graph = manifest["graphs"][graph_name]
+    path = part_paths(manifest, graph_name, compiled=False)[0]
+    session = htp_session(str(path), fp16=True, disable_cpu_fallback=True, profiling=True,
+                          profile_prefix=str(tmp_path / "profile"))
+    cache = {n: np.random.default_rng(0).standard_normal((1, manifest["kv_heads"], CONTEXT, manifest["head_dim"])).astype(np.float32)
+             for n in graph["roles"]["past_key"] + graph["roles"]["past_value"]}
+    feed = static_feed(graph, [5] * graph["tokens"], 7, cache)
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+    assert parse_profile(session.end_profiling()) == (1, [])
+    expected = PartsRunner(manifest["dir"], graph)(feed)
+    logits = graph["roles"]["logits"]
+    a, b = got[logits].ravel().astype(np.float64), expected[logits].ravel().astype(np.float64)
+    assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999
+
+
+@requires_htp
+def test_decode_composes_no_more_qnn_ops_than_prefill(built):
+    manifest = built("llama_gqa_kv_dyn_ts")
+    facts = json.loads((manifest_dir(manifest) / "report.json").read_text())["htp"]
+    for graph_name in ("prefill", "decode"):
+        part = facts[graph_name]["parts"][0]
+        assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0)
+    assert 0 < facts["decode"]["qnn_ops"] <= facts["prefill"]["qnn_ops"]
+
+
+@requires_htp
+def test_compiled_pair_runs_and_weight_sharing_probe_is_recorded(built):
+    from qnnpasses.backends.htp import htp_session
+
+    manifest = built("llama_gqa_kv_dyn_ts")
+    report = json.loads((manifest_dir(manifest) / "report.json").read_text())
+    probe = report["compile"]["shared_probe"]
+    assert probe["compile"] in (True, False) and (probe["run"] or probe["error"])
+    assert manifest["weight_sharing"] == ("shared" if probe["run"] else "separate")
+    rng = np.random.default_rng(2)
+    for graph_name in ("prefill", "decode"):
+        graph = manifest["graphs"][graph_name]
+        compiled = part_paths(manifest, graph_name, compiled=True)[0]
+        assert {n.op_type for n in onnx.load(str(compiled)).graph.node} == {"EPContext"}
+        cache = {n: rng.standard_normal((1, manifest["kv_heads"], CONTEXT, manifest["head_dim"])).astype(np.float32)
+                 for n in graph["roles"]["past_key"] + graph["roles"]["past_value"]}
+        feed = static_feed(graph, list(range(3, 3 + graph["tokens"])), 11, cache)
+        session = htp_session(str(compiled), fp16=True, disable_cpu_fallback=True)
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+        expected = PartsRunner(manifest["dir"], graph)(feed)
+        for name in [graph["roles"]["logits"], *graph["roles"]["new_key"]]:
+            a, b = got[name].ravel().astype(np.float64), expected[name].ravel().astype(np.float64)
+            assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999, name
+
+
+def test_parts_chain_to_the_same_logits(built):
+    single = built("llama_gqa_kv_dyn_ts")
+    split = built("llama_gqa_kv_dyn_ts", parts=2, compile=False, probe=False)
+    rng = np.random.default_rng(3)
+    for graph_name in ("prefill", "decode"):
+        graph = split["graphs"][graph_name]
+        assert len(graph["parts"]) == 2
+        first, second = graph["parts"]
+        assert set(second["inputs"]) <= set(first["inputs"]) | set(first["outputs"]) | set(graph["io"])
+        # the cut is on the residual stream: besides the mask and rotary tables (which do not depend
+        # on the tokens), only hidden-state-sized tensors [tokens, hidden] cross it
+        part0 = onnx.load(str(manifest_dir(split) / first["onnx"]))
+        shapes = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in part0.graph.output}
+        crossing = [shapes[n] for n in set(second["inputs"]) - set(graph["io"])]
+        stream = [s for s in crossing if int(np.prod(s)) == graph["tokens"] * 64]
+        assert 1 <= len(stream) <= 2 and len(crossing) - len(stream) <= 3, crossing
+        cache = {n: rng.standard_normal((1, split["kv_heads"], CONTEXT, split["head_dim"])).astype(np.float32)
+                 for n in graph["roles"]["past_key"] + graph["roles"]["past_value"]}
+        feed = static_feed(graph, list(range(1, 1 + graph["tokens"])), 9, cache)
+        chained = PartsRunner(split["dir"], graph)(feed)
+        whole = PartsRunner(single["dir"], single["graphs"][graph_name])(feed)
+        for name in [graph["roles"]["logits"], *graph["roles"]["new_key"], *graph["roles"]["new_value"]]:
+            np.testing.assert_allclose(chained[name], whole[name], atol=1e-5, rtol=0, err_msg=name)
+    report = json.loads((manifest_dir(split) / "report.json").read_text())
+    assert report["parts_verification"]["ok"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["llama_gqa_ts", "--context", "256", "--prefill", "16"], "no KV cache"),
+    (["llama_gqa_kv_dyn_ts", "--context", "16", "--prefill", "32"], "must be smaller than --context"),
+    (["llama_gqa_kv_dyn_ts", "--context", "16", "--prefill", "16"], "must be smaller than --context"),
+    (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--precision", "int3"], "unknown precision"),
+    (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--precision", "w8a16"], "needs --calib"),
+    (["llama_gqa_kv_dyn_dynamo", "--context", "256", "--prefill", "16"], "fixes the new-token count at 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+    from qnnpasses.cli import main
+
+    out = tmp_path / "pair"
+    before = fixture_path(args[0]).read_bytes()
+    code = main(["llm", str(fixture_path(args[0])), "-o", str(out), "--no-compile", *args[1:]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("qnnpasses: error")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".pair.*"))
+    assert fixture_path(args[0]).read_bytes() == before
