@@ -1,0 +1,163 @@
+"""Finding a pre-norm residual stream and the weights that read and write it.
+
+A pre-norm decoder (LLaMA, Qwen2, Mistral, Phi-3, SmolLM2 after ``htp-llm``) keeps one
+running sum ``h``: the token embedding, plus each block's ``o_proj``/``down_proj`` output.
+Every block reads ``h`` only through an ``RMSNormalization`` whose output feeds projection
+MatMuls; the final norm feeds the lm_head.  :func:`find_stream` walks it from the embedding
+``Gather`` and returns every constant that touches it, or the reason the graph is not of this
+shape (then nothing may be rotated).
+
+Shapes the walk accepts: ``Reshape`` that keeps the hidden size as the last dimension
+(``htp-llm`` works on ``[S, hidden]`` rows), residual ``Add``, ``RMSNormalization`` over the
+last axis.  A writer is ``MatMul(x, W)`` with a constant ``W[..., hidden]`` (optionally
+``+ bias`` and ``Reshape``), whose result reaches the residual ``Add`` and nothing else.
+A reader is ``MatMul(norm_out, W)`` with a constant ``W[..., hidden, N]``, 2-D or head-major
+4-D (``layout{head_proj}``), optionally behind a last-dim-keeping ``Reshape``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.passmanager.rewrite import constant_value, producer
+
+NORM_OPS = ("RMSNormalization",)
+
+
+@dataclass
+class Stream:
+    hidden: int
+    embeddings: list[gs.Node] = field(default_factory=list)  # Gather(table[V, hidden], ids)
+    norms: list[gs.Node] = field(default_factory=list)  # RMSNormalization reading the stream
+    readers: list[gs.Node] = field(default_factory=list)  # MatMul(norm_out, W[..., hidden, N])
+    writers: list[gs.Node] = field(default_factory=list)  # MatMul(x, W[..., hidden]) into the stream
+    biases: list[tuple[gs.Node, int]] = field(default_factory=list)  # Add(., const[..., hidden]) on the way
+
+
+def _keeps_last(node: gs.Node, hidden: int) -> bool:
+    """A Reshape (or Squeeze/Unsqueeze) whose input and output both end in ``hidden``."""
+    if node.op not in ("Reshape", "Squeeze", "Unsqueeze"):
+        return False
+    src, dst = node.inputs[0].shape, node.outputs[0].shape
+    return bool(src) and bool(dst) and src[-1] == hidden and dst[-1] == hidden
+
+
+def _const_input(node: gs.Node, index: int) -> np.ndarray | None:
+    return constant_value(node.inputs[index]) if index < len(node.inputs) else None
+
+
+def norm_consumers(graph: gs.Graph, norm: gs.Node, hidden: int) -> tuple[list[gs.Node], str]:
+    """The weighted MatMuls reading ``norm``'s output (through last-dim-keeping reshapes), or why not."""
+    readers, todo = [], [norm.outputs[0]]
+    outputs = set(t.name for t in graph.outputs)
+    while todo:
+        t = todo.pop()
+        if t.name in outputs:
+            return [], f"{norm.name}: its output is a graph output"
+        for node in t.outputs:
+            if _keeps_last(node, hidden):
+                todo.append(node.outputs[0])
+                continue
+            weight = _const_input(node, 1) if node.op == "MatMul" and node.inputs[0] is t else None
+            if weight is None or weight.ndim < 2 or weight.shape[-2] != hidden:
+                return [], f"{norm.name}: output read by {node.op} '{node.name}', not a projection MatMul"
+            readers.append(node)
+    return readers, ""
+
+
+def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream) -> str:
+    """Trace a tensor added into the stream back to its projection MatMul; "" or why not."""
+    biases = []
+    while True:
+        if len(t.outputs) != 1 or t in graph.outputs:
+            return f"'{t.name}' (added into the residual stream) has other readers"
+        node = producer(t)
+        if node is None:
+            return f"'{t.name}' added into the residual stream is not computed by a projection"
+        if _keeps_last(node, hidden):
+            t = node.inputs[0]
+            continue
+        if node.op == "Add":
+            consts = [i for i, x in enumerate(node.inputs) if constant_value(x) is not None]
+            if len(consts) != 1:
+                return f"'{node.name}' adds two activations before the residual stream"
+            bias = constant_value(node.inputs[consts[0]])
+            if bias.shape[-1:] != (hidden,):
+                return f"'{node.name}' adds a constant of shape {list(bias.shape)}"
+            biases.append((node, consts[0]))
+            t = node.inputs[1 - consts[0]]
+            continue
+        weight = _const_input(node, 1) if node.op == "MatMul" else None
+        if weight is None or weight.shape[-1] != hidden:
+            return f"'{t.name}' added into the residual stream comes from {node.op} '{node.name}'"
+        stream.writers.append(node)
+        stream.biases += biases
+        return ""
+
+
+def find_stream(graph: gs.Graph) -> tuple[Stream | None, str]:
+    """The residual stream fed by the graph's token embedding, or (None, why it does not fit)."""
+    inputs = {t.name for t in graph.inputs}
+    gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
+               and len(n.inputs[0].shape) == 2 and n.attrs.get("axis", 0) == 0
+               and _from_input(n.inputs[1], inputs)]
+    if len(gathers) != 1:
+        return None, f"expected one token-embedding Gather, found {len(gathers)}"
+    embed = gathers[0]
+    hidden = int(embed.inputs[0].shape[1])
+    stream = Stream(hidden, embeddings=[embed])
+    outputs = {t.name for t in graph.outputs}
+    seen, todo = set(), [embed.outputs[0]]
+    while todo:
+        t = todo.pop()
+        if t.name in seen:
+            continue
+        seen.add(t.name)
+        if t.name in outputs:
+            return None, f"the residual stream '{t.name}' is a graph output"
+        for node in t.outputs:
+            if _keeps_last(node, hidden):
+                todo.append(node.outputs[0])
+            elif node.op == "Add":
+                other = node.inputs[1] if node.inputs[0] is t else node.inputs[0]
+                if other.name not in seen and not _reaches_from(other, seen):
+                    why = _writer(graph, other, hidden, stream)
+                    if why:
+                        return None, why
+                todo.append(node.outputs[0])
+            elif node.op in NORM_OPS and node.inputs[0] is t:
+                axis = node.attrs.get("axis", -1)
+                if axis not in (-1, len(t.shape or ()) - 1):
+                    return None, f"{node.name} normalizes axis {axis}, not the hidden axis"
+                if node not in stream.norms:
+                    stream.norms.append(node)
+            else:
+                return None, f"the residual stream '{t.name}' is read by {node.op} '{node.name}'"
+    for norm in stream.norms:
+        readers, why = norm_consumers(graph, norm, hidden)
+        if why:
+            return None, why
+        stream.readers += readers
+    if not stream.norms or not stream.writers:
+        return None, "no normalization reads the stream or no projection writes it"
+    return stream, ""
+
+
+def _reaches_from(t: gs.Tensor, seen: set[str]) -> bool:
+    """True when ``t`` is itself a stream tensor reached later (an Add of two stream tensors)."""
+    node = producer(t)
+    return node is not None and node.op == "Add" and any(i.name in seen for i in node.inputs)
+
+
+def _from_input(t: gs.Tensor, inputs: set[str], depth: int = 4) -> bool:
+    for _ in range(depth):
+        if t.name in inputs:
+            return True
+        node = producer(t)
+        if node is None or node.op not in ("Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten"):
+            return False
+        t = node.inputs[0]
+    return False

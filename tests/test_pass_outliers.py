@@ -1,0 +1,90 @@
+"""passes/outliers: fold-norm-weights and rotate-residual on real exports, strictly verified on CPU.
+
+Every LLaMA-family fixture (TorchScript and dynamo exports, KV cache, Qwen2, Mistral, Phi-3)
+goes through htp-llm, gets random norm scales (the fixtures' are all ones, trained models'
+are not), then fold + rotate run under the strict runner: a rewrite that moves an output
+beyond the pass's stated tolerance raises.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import pytest
+from pass_testing import run_strictly
+
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+from qnnpasses.passes.outliers._orthogonal import hadamard, rotation
+from qnnpasses.passmanager.manager import PassManager
+from qnnpasses.passmanager.named import get_pipeline
+from qnnpasses.passmanager.rewrite import constant_value
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DECODERS = ["llama_gqa_ts", "llama_gqa_dynamo", "llama_gqa_kv_ts", "qwen2_ts", "mistral_dynamo", "phi3_ts"]
+
+
+def _prepared(name: str, tmp_path: Path, spike: float | None = None) -> Path:
+    """htp-llm output of a fixture with random per-channel norm scales (and a residual spike)."""
+    ir = load_model(FIXTURES / f"{name}.onnx")
+    PassManager(get_pipeline("htp-llm")).run(ir)
+    rng = np.random.default_rng(0)
+    for node in ir.graph.nodes:
+        if node.op == "RMSNormalization":
+            gamma = constant_value(node.inputs[1])
+            node.inputs[1] = gs.Constant(node.inputs[1].name + "_t", rng.uniform(0.2, 3.0, gamma.shape).astype(np.float32))
+        if spike is not None and node.op == "Gather" and isinstance(node.inputs[0], gs.Constant) \
+                and len(node.inputs[0].shape) == 2:
+            table = constant_value(node.inputs[0]).copy()
+            table[:, 3] = spike  # a massive activation in channel 3, as trained LLMs carry
+            node.inputs[0] = gs.Constant(node.inputs[0].name + "_t", table)
+    return save_model(ir, tmp_path / f"{name}.prepared.onnx")
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_fold_and_rotate_keep_the_function(name, tmp_path):
+    path = _prepared(name, tmp_path)
+    ir, fold = run_strictly(path, "fold-norm-weights")
+    norms = sum(n.op == "RMSNormalization" for n in ir.graph.nodes)
+    assert fold.status == "changed" and fold.stats["folded"] == norms
+    assert all(np.all(constant_value(n.inputs[1]) == 1) for n in ir.graph.nodes if n.op == "RMSNormalization")
+    folded = save_model(ir, tmp_path / "folded.onnx")
+    ir, rot = run_strictly(folded, "rotate-residual")
+    assert rot.status == "changed", rot.reason
+    assert rot.stats["norms"] == norms and rot.stats["writers"] == norms - 1
+    assert rot.verification["ok"] and rot.verification["cosine"] > 0.999999
+
+
+def test_rotation_spreads_a_massive_channel(tmp_path):
+    """A spike of 1000 in one channel of every embedding row becomes ±1000/√n spread over all n."""
+    path = _prepared("llama_gqa_ts", tmp_path, spike=1000.0)
+    ir, record = run_strictly(path, "fold-norm-weights,rotate-residual")
+    assert record.stats["rotated"] == 1
+    table = next(constant_value(n.inputs[0]) for n in ir.graph.nodes if n.op == "Gather"
+                 and isinstance(n.inputs[0], gs.Constant) and len(n.inputs[0].shape) == 2)
+    n = table.shape[1]
+    assert np.abs(table).max() < 1000.0 / np.sqrt(n) * 1.5  # 1000 before
+
+
+def test_rotate_refuses_post_norm_encoders(tmp_path):
+    """BERT's LayerNorm output IS the stream: no unit-scale pre-norm, so nothing is rotated."""
+    ir = load_model(FIXTURES / "bert_ts.onnx")
+    PassManager(get_pipeline("htp-llm")).run(ir)
+    path = save_model(ir, tmp_path / "bert.onnx")
+    ir, record = run_strictly(path, "rotate-residual")
+    assert record.status == "unchanged" and record.stats["rotated"] == 0
+
+
+@pytest.mark.parametrize("n", [576, 384, 64, 12])
+def test_hadamard_orders_of_real_models(n):
+    h = hadamard(n)
+    assert h is not None and np.array_equal(h @ h.T, n * np.eye(n, dtype=np.int64))
+    r, what = rotation(n)
+    assert "Hadamard" in what and np.allclose(np.abs(r), 1 / np.sqrt(n))
+
+
+def test_rotation_without_a_hadamard_is_still_orthogonal():
+    r, what = rotation(896)  # 128 x 7: no Hadamard of order 896 is built here
+    assert "random" in what and np.allclose(r @ r.T, np.eye(896), atol=1e-12)
