@@ -337,6 +337,8 @@ def source_bytes(source: Source) -> Iterator[bytes | memoryview]:
             yield source.raw_data
         else:
             yield np.ascontiguousarray(onnx.numpy_helper.to_array(source)).tobytes()
+    elif isinstance(source, np.ndarray) and source.dtype.name in ("int4", "uint4"):
+        yield onnx.numpy_helper.from_array(source).raw_data  # ml_dtypes 4-bit values: ONNX packs two per byte
     else:
         array = np.ascontiguousarray(source)
         if array.dtype.byteorder == ">":

@@ -37,7 +37,8 @@ def get_pipeline(name: str) -> Pipeline:
 # initializers and folded shapes; attention passes before layout, which rewrites the
 # reshapes they match; fusions before decompositions, so nothing fused is undone;
 # fp16-safety after the fusions, for whatever stayed decomposed.
-_HTP_LLM_HEAD = "fix-shapes,simplify,gathernd,lower-int64,attention-cleanup"
+# onnxruntime contrib ops (model-builder exports) first: shape inference stops at them
+_HTP_LLM_HEAD = "lower-simplified-norm,lower-gqa,lower-matmulnbits,fix-shapes,simplify,gathernd,lower-int64,attention-cleanup"
 _HTP_LLM_TAIL = (
     "gqa-broadcast,fuse-rmsnorm,fuse-layernorm,decompose-layernorm,fuse-gelu,decompose-gelu,fp16-safety,"
     "rotary,repeat{max=3}(layout,simplify{use_onnxsim=false}),cleanup"
