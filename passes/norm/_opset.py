@@ -13,6 +13,10 @@ Every TorchScript fixture raised 17 -> 23 gives bit-identical onnxruntime CPU ou
 (tests/test_pass_fuse_rmsnorm.py) and, measured, the same HTP placement and partitions.  ``onnx.version_converter``
 is not used because it works on a whole ``ModelProto`` (weights included), while this works
 on the graph with its lazily loaded weights.
+
+``PassContext.target_opset`` (``run --target-opset N``) caps the raise: above it the raise is
+refused with the reason, the fusion does not happen, and the older decomposed form stays
+(``fp16-safety`` then keeps it in fp16's range).
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ def raise_opset(ir: IRModel, ctx: PassContext, target: int) -> str | None:
     reason = why_not_raise(ir, target)
     if reason or ir.opset >= target:
         return reason
+    cap = getattr(ctx, "target_opset", None)
+    if cap is not None and target > cap:
+        return f"it needs opset {target}, above --target-opset {cap}"
     current = ir.opset
     for graph, node in _all_nodes(ir):
         if not _default_domain(node):

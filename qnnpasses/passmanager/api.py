@@ -252,6 +252,7 @@ class PassContext:
     allow_lossy: bool = False
     shapes: dict[str, list[int]] = field(default_factory=dict)  # --shape NAME=D0,D1,...
     calibration: Any = None  # an iterable of input dicts (--calib), when given
+    target_opset: int | None = None  # --target-opset N: no pass raises the model's opset above it
     verbose: bool = False
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)
     _taken: set[str] | None = field(default=None, repr=False)
