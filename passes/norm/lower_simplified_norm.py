@@ -58,8 +58,9 @@ class LowerSimplifiedNorm(Pass):
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         found = [n for n in ir.graph.nodes if _kind(n)]
-        notes = [f"{n.name}: not lowered: {_why_not(n)}" for n in found if _why_not(n)]
-        matches = [n for n in found if not _why_not(n)]
+        outputs = {t.name for t in ir.graph.outputs}
+        notes = [f"{n.name}: not lowered: {_why_not(n, outputs)}" for n in found if _why_not(n, outputs)]
+        matches = [n for n in found if not _why_not(n, outputs)]
         stats = {"lowered": 0, "left": len(found) - len(matches)}
         if not matches:
             return PassResult(changed=False, stats=stats, notes=notes)
@@ -68,8 +69,8 @@ class LowerSimplifiedNorm(Pass):
         return result
 
 
-def _why_not(node: gs.Node) -> str:
-    used = [i for i, t in enumerate(node.outputs) if t.name and t.outputs]
+def _why_not(node: gs.Node, graph_outputs: set[str]) -> str:
+    used = [i for i, t in enumerate(node.outputs) if t.name and (t.outputs or t.name in graph_outputs)]
     if _kind(node) == _SIMPLIFIED and any(i > 0 for i in used):
         return "its inv_std_var output is used"
     if _kind(node) == _SKIP and any(i in (1, 2) for i in used):
