@@ -236,3 +236,140 @@ def test_unique_names_do_not_collide():
     ctx = PassContext()
     names = {ctx.unique_name(ir, "x") for _ in range(50)}
     assert len(names) == 50 and not names & set(ir.graph.tensors())
+
+
+# ---------------------------------------------------------------- a manager that cannot be lied to
+
+# Plugins written to files and loaded with --plugin, as a user would.  Each one is wrong in a
+# way the old manager let through: it said "unchanged", or it broke only padded rows.
+_PLUGIN_HEAD = '''
+import numpy as np
+import onnx_graphsurgeon as gs
+from qnnpasses.passmanager.api import EXACT, Pass, PassResult, approximate, register_pass
+
+
+def before_output(ir, ctx, make):
+    out = ir.graph.outputs[0]
+    producer = out.inputs[0]
+    fresh = gs.Variable(ctx.unique_name(ir, "pre"), dtype=out.dtype, shape=out.shape)
+    producer.outputs[producer.outputs.index(out)] = fresh
+    ir.graph.nodes.extend(make(fresh, out))
+'''
+
+_NEGATE_SAYS_UNCHANGED = _PLUGIN_HEAD + '''
+@register_pass
+class NegateQuietly(Pass):
+    name = "test-negate-quietly"
+    summary = "negates the output and says it changed nothing (tests only)"
+
+    def run(self, ir, ctx):
+        before_output(ir, ctx, lambda x, y: [gs.Node("Neg", name=ctx.unique_name(ir, "neg"), inputs=[x], outputs=[y])])
+        return PassResult(changed=False)
+'''
+
+# logits * mask[..., None]: identical while the mask is all ones, wrong exactly where it is 0
+_BREAK_PADDED_ROWS = _PLUGIN_HEAD + '''
+@register_pass
+class ZeroPaddedRows(Pass):
+    name = "test-zero-padded-rows"
+    summary = "zeroes the output rows of padding positions (tests only)"
+    contract = EXACT
+
+    def run(self, ir, ctx):
+        mask = next(t for t in ir.graph.inputs if t.name == "attention_mask")
+
+        def make(x, y):
+            f = gs.Variable(ctx.unique_name(ir, "maskf"), dtype=x.dtype)
+            u = gs.Variable(ctx.unique_name(ir, "masku"), dtype=x.dtype)
+            axes = gs.Constant(ctx.unique_name(ir, "axes"), np.array([-1], dtype=np.int64))
+            return [gs.Node("Cast", name=ctx.unique_name(ir, "cast"), attrs={"to": 1}, inputs=[mask], outputs=[f]),
+                    gs.Node("Unsqueeze", name=ctx.unique_name(ir, "unsq"), inputs=[f, axes], outputs=[u]),
+                    gs.Node("Mul", name=ctx.unique_name(ir, "mul"), inputs=[x, u], outputs=[y])]
+
+        before_output(ir, ctx, make)
+        return PassResult(changed=True)
+'''
+
+# each run within its stated 0.5, twice 0.8: only the end-to-end comparison sees it
+_DRIFT = _PLUGIN_HEAD + '''
+@register_pass
+class Drift(Pass):
+    name = "test-drift"
+    summary = "adds 0.4 to the output (tests only)"
+    contract = approximate(atol=0.5, min_cosine=0.0, why="adds 0.4")
+
+    def run(self, ir, ctx):
+        c = gs.Constant(ctx.unique_name(ir, "c"), np.array(0.4, dtype=np.float32))
+        before_output(ir, ctx, lambda x, y: [gs.Node("Add", name=ctx.unique_name(ir, "add"), inputs=[x, c], outputs=[y])])
+        return PassResult(changed=True)
+'''
+
+
+def _cli_run(tmp_path, capsys, plugin: str, spec: str, *extra):
+    from qnnpasses.cli import main
+
+    plugin_file = tmp_path / "plugin.py"
+    plugin_file.write_text(plugin)
+    out, report = tmp_path / "out.onnx", tmp_path / "report"
+    code = main(["run", str(fixture_path("llama_gqa_ts")), "-o", str(out), "--passes", spec, "--plugin", str(plugin_file),
+                 "--verify", "--report-dir", str(report), "-q", *extra])
+    captured = capsys.readouterr()
+    import json
+
+    return code, out, json.loads((report / "report.json").read_text()), captured.err
+
+
+def test_a_pass_that_says_unchanged_is_checked_anyway_and_strict_fails(tmp_path, capsys):
+    code, out, report, err = _cli_run(tmp_path, capsys, _NEGATE_SAYS_UNCHANGED, "test-negate-quietly", "--strict")
+    assert code == 1 and not out.exists()
+    record = report["passes"][0]
+    assert record["status"] == ROLLED_BACK and record["misreported"] is True
+    assert record["verification"]["cosine"] == pytest.approx(-1.0)
+    assert "test-negate-quietly" in err
+
+
+def test_a_pass_that_breaks_only_padded_rows_fails_strict(tmp_path, capsys):
+    code, out, report, err = _cli_run(tmp_path, capsys, _BREAK_PADDED_ROWS, "test-zero-padded-rows", "--strict")
+    assert code == 1 and not out.exists()
+    cases = report["passes"][0]["verification"]["cases"]
+    assert cases["random"]["ok"] and cases["random"]["max_abs"] == 0.0  # all-ones masks see nothing
+    assert not cases["padded-right"]["ok"] and not cases["padded-left"]["ok"] and not cases["masked"]["ok"]
+
+
+def test_end_to_end_failure_fails_strict_and_warns_without(tmp_path, capsys):
+    code, out, report, err = _cli_run(tmp_path, capsys, _DRIFT, "test-drift,test-drift", "--strict", "--allow-lossy")
+    assert code == 1 and not out.exists()
+    assert [p["status"] for p in report["passes"]] == [CHANGED, CHANGED]
+    assert report["final_verification"]["ok"] is False
+    assert report["final_verification"]["max_abs"] == pytest.approx(0.8, abs=1e-5)
+    code, out, report, err = _cli_run(tmp_path, capsys, _DRIFT, "test-drift,test-drift", "--allow-lossy")
+    assert code == 0 and out.exists()
+    assert "WARNING: end-to-end verification FAILED" in err and "max abs error 0.8" in err
+
+
+def test_a_pass_that_says_changed_but_did_nothing_is_unchanged():
+    @register_pass
+    class Boasts(Pass):
+        name = "test-boasts"
+        summary = "changes nothing and says it did (tests only)"
+
+        def run(self, ir, ctx):
+            return PassResult(changed=True)
+
+    ir, result = _run("test-boasts")
+    assert result.records[0].status == UNCHANGED and result.records[0].misreported
+
+
+def test_a_pure_reorder_is_no_change_but_a_broken_order_is_rolled_back():
+    @register_pass
+    class Reverses(Pass):
+        name = "test-reverse-nodes"
+        summary = "reverses the node list (tests only)"
+
+        def run(self, ir, ctx):
+            ir.graph.nodes.reverse()
+            return PassResult(changed=False)
+
+    ir, result = _run("test-reverse-nodes", verify=False)
+    assert result.records[0].status == ROLLED_BACK and "topological order" in result.records[0].reason
+    _assert_outputs_unchanged(ir)

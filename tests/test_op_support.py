@@ -21,7 +21,7 @@ from qnnpasses.op_support.checker import check_graph, check_node, summarize
 from qnnpasses.op_support.probe_models import ProbeSpec, build_model
 from qnnpasses.op_support.table import load_table
 
-from qnnpasses.backends.htp import htp_available, parse_ep_log, probe_placement
+from qnnpasses.backends.htp import parse_ep_log, probe_placement
 
 HOLDOUT = Path(__file__).resolve().parents[1] / "tools" / "probe_results" / "htp_holdout.jsonl"
 MIN_AGREEMENT = 0.95
@@ -115,7 +115,7 @@ def test_parse_ep_log_attributes_backend_error_to_node():
     assert facts.validation["r0"] == {"passed": True, "reason": "", "op_type": "Relu"}
 
 
-needs_htp = pytest.mark.skipif(not htp_available(), reason="onnxruntime-qnn (QNN HTP backend) not available")
+needs_htp = pytest.mark.htp  # conftest: skip only when not installed outside CI
 
 
 @needs_htp

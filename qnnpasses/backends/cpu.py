@@ -4,13 +4,18 @@ Inputs are seeded and respect each input's dtype and shape; integer inputs get
 values that are valid for what consumes them (token ids below the embedding's row
 count, masks of ones, positions counting up).  Comparison reports max abs error and
 cosine per output; the tolerance rule is stated once here.
+
+:func:`verification_cases` adds the inputs that catch what all-ones masks hide: padded
+masks (zeros at the end, and at the start -- which masks whole query rows of a causal
+model), scattered masked positions, extreme but legal values (large-magnitude floats, the
+largest valid token ids) and the user's own samples.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -67,13 +72,132 @@ def make_inputs(ir: IRModel, seed: int = 0, shapes: dict[str, list[int]] | None 
     """Seeded inputs for every graph input, shaped by ``shapes`` or by the declared dims."""
     rng = np.random.default_rng(seed)
     shapes = shapes or {}
+    masks = set(mask_inputs(ir))
     inputs = {}
     for tensor in ir.graph.inputs:
         if isinstance(tensor, gs.Constant):
             continue
         shape = shapes.get(tensor.name) or [resolve_dim(d, tensor.name, i) for i, d in enumerate(tensor.shape or [])]
-        inputs[tensor.name] = _values_for(ir, tensor, tuple(int(d) for d in shape), rng)
+        shape = tuple(int(d) for d in shape)
+        if tensor.name in masks:  # nothing masked: the padded verification cases mask on purpose
+            inputs[tensor.name] = np.ones(shape, dtype=np.dtype(tensor.dtype))
+            continue
+        inputs[tensor.name] = _values_for(ir, tensor, shape, rng)
     return inputs
+
+
+@dataclass
+class VerificationCase:
+    """One named set of inputs the manager verifies every changed pass on."""
+
+    name: str  # one of qnnpasses.passmanager.api's CASE_* names
+    inputs: dict[str, np.ndarray] = field(repr=False)
+    detail: str = ""
+
+
+# "extreme" floats: large magnitudes such as the massive activations of trained LLMs (|h| ~ 1e4)
+EXTREME_FLOAT_SCALE = 1e3
+_MASK_PATH_OPS = {"Cast", "Unsqueeze", "Reshape", "Expand", "Slice", "Squeeze", "Not", "Identity", "Flatten"}
+
+
+def mask_inputs(ir: IRModel) -> list[str]:
+    """Graph inputs that are masks: integer/bool/float inputs named so, or used as one (a
+    ``Where`` condition, ``1 - m``, a logical op) within a few shape/cast ops of the input."""
+    found = []
+    for tensor in ir.graph.inputs:
+        if isinstance(tensor, gs.Constant) or tensor.dtype is None or np.dtype(tensor.dtype).kind not in "biuf":
+            continue
+        if "mask" in tensor.name.lower() or _used_as_mask(tensor):
+            found.append(tensor.name)
+    return found
+
+
+def _used_as_mask(tensor: gs.Variable, depth: int = 4) -> bool:
+    for consumer in tensor.outputs:
+        if consumer.op == "Where" and consumer.inputs and consumer.inputs[0] is tensor:
+            return True
+        if consumer.op in ("And", "Or", "Xor"):
+            return True
+        if consumer.op == "Sub" and len(consumer.inputs) == 2 and consumer.inputs[1] is tensor and _is_one(consumer.inputs[0]):
+            return True
+        if consumer.op in _MASK_PATH_OPS and depth > 0 and consumer.outputs:
+            if _used_as_mask(consumer.outputs[0], depth - 1):
+                return True
+    return False
+
+
+def _is_one(tensor: gs.Tensor) -> bool:
+    """A small constant of ones (``1 - m``)."""
+    values = getattr(tensor, "_values", None)
+    if not isinstance(tensor, gs.Constant) or values is None or int(np.prod(values.shape)) > 16:
+        return False
+    return bool(np.all(np.asarray(tensor.values) == 1))
+
+
+def verification_cases(ir: IRModel, seed: int = 0, shapes: dict[str, list[int]] | None = None,
+                       given: list[dict[str, np.ndarray]] | None = None) -> list[VerificationCase]:
+    """The input sets ``--verify`` runs: seeded random inputs first, then padded and masked
+    variants of them (when the model has mask inputs), extreme values, and ``given`` samples.
+
+    Every case has the same shapes (``shapes``, else the declared ones), so one session runs
+    them all; ``given`` samples of other shapes or dtypes are left out.
+    """
+    given = [g for g in (given or []) if g]
+    try:
+        base = make_inputs(ir, seed, shapes)
+    except BadInputError:  # inputs we cannot make (sequences, strings): the given ones only
+        if not given:
+            raise
+        return [VerificationCase("given", dict(sample), f"sample {i}") for i, sample in enumerate(given)]
+    cases = [VerificationCase("random", base)]
+    masks = [m for m in mask_inputs(ir) if m in base and base[m].ndim >= 1 and base[m].shape[-1] >= 2]
+    if masks:
+        rng = np.random.default_rng(seed + 1)
+        length = {m: base[m].shape[-1] for m in masks}
+        cut = {m: max(1, length[m] // 4) for m in masks}
+        right, left, scattered = dict(base), dict(base), dict(base)
+        for m in masks:
+            right[m] = base[m].copy()
+            right[m][..., length[m] - cut[m]:] = 0
+            left[m] = base[m].copy()
+            left[m][..., : cut[m]] = 0
+            hidden = rng.random(base[m].shape) < 0.3
+            hidden[..., 0] = False  # every query row keeps key 0 visible
+            scattered[m] = np.where(hidden, 0, base[m]).astype(base[m].dtype)
+        names = ", ".join(masks)
+        cases += [VerificationCase("padded-right", right, f"last quarter of {names} zero"),
+                  VerificationCase("padded-left", left, f"first quarter of {names} zero: causal models get fully masked rows"),
+                  VerificationCase("masked", scattered, f"30% of {names} zero, position 0 kept")]
+    extreme = _extreme_inputs(ir, base, set(masks), seed + 2)
+    if extreme is not None:
+        cases.append(VerificationCase("extreme", extreme, f"floats x{EXTREME_FLOAT_SCALE:g}, largest valid ids"))
+    for i, sample in enumerate(given):
+        fits = set(sample) == set(base) and all(
+            not isinstance(v, np.ndarray) or (v.shape == base[k].shape and v.dtype == base[k].dtype)
+            for k, v in sample.items())
+        if fits:
+            cases.append(VerificationCase("given", dict(sample), f"sample {i}"))
+    return cases
+
+
+def _extreme_inputs(ir: IRModel, base: dict[str, np.ndarray], masks: set[str], seed: int) -> dict[str, np.ndarray] | None:
+    rng = np.random.default_rng(seed)
+    out, changed = dict(base), False
+    for tensor in ir.graph.inputs:
+        value = base.get(tensor.name)
+        if not isinstance(value, np.ndarray) or tensor.name in masks or value.size == 0:
+            continue
+        if value.dtype.kind == "f":
+            out[tensor.name] = (value.astype(np.float64) * EXTREME_FLOAT_SCALE).astype(value.dtype)
+            changed = True
+        elif value.dtype.kind in "iu":
+            high = _index_bound(tensor)
+            if high:
+                top = high - 1 - rng.integers(0, min(high, 4), value.shape)
+                top.flat[0] = high - 1
+                out[tensor.name] = top.astype(value.dtype)
+                changed = True
+    return out if changed else None
 
 
 def _values_for(ir: IRModel, tensor: gs.Variable, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -156,6 +280,15 @@ def check_inputs(ir: IRModel, inputs: dict[str, np.ndarray]) -> None:
 
 def run_cpu(ir_or_path: IRModel | str | os.PathLike, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run on onnxruntime's CPU provider with all graph optimizations off (what the graph says)."""
+    return run_cpu_many(ir_or_path, [inputs])[0]
+
+
+def run_cpu_many(ir_or_path: IRModel | str | os.PathLike, inputs: list[dict[str, np.ndarray]],
+                 *, keep_going: bool = False) -> list[dict[str, np.ndarray] | Exception]:
+    """:func:`run_cpu` on several input sets with one session (one export, one session build).
+
+    With ``keep_going`` a set that fails yields its exception in place of its outputs.
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -168,10 +301,19 @@ def run_cpu(ir_or_path: IRModel | str | os.PathLike, inputs: dict[str, np.ndarra
             with tempfile.TemporaryDirectory(prefix="qnnpasses-") as tmp:
                 path = save_model(ir_or_path, Path(tmp) / "model.onnx", external_data=True)
                 session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                return _run(session, inputs)
+                return [_run_one(session, x, keep_going) for x in inputs]
     else:
         session = ort.InferenceSession(str(ir_or_path), options, providers=["CPUExecutionProvider"])
-    return _run(session, inputs)
+    return [_run_one(session, x, keep_going) for x in inputs]
+
+
+def _run_one(session, inputs: dict[str, np.ndarray], keep_going: bool):
+    if not keep_going:
+        return _run(session, inputs)
+    try:
+        return _run(session, inputs)
+    except Exception as exc:
+        return exc
 
 
 def _run(session, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -188,9 +330,15 @@ def compare_outputs(
     atol: float = ATOL,
     rtol: float = RTOL,
     min_cosine: float = MIN_COSINE,
+    nan_is_undefined: bool = False,
 ) -> Comparison:
     """Compare every reference output; a float output is ok when within ``atol + rtol*max|ref|``
-    and its cosine is at least ``min_cosine``; other dtypes must be equal."""
+    and its cosine is at least ``min_cosine``; other dtypes must be equal.
+
+    ``nan_is_undefined``: where the reference is NaN the model defines no value (a fully
+    masked softmax row with a -inf mask), so the candidate may hold anything there; a NaN
+    the reference does not have still fails.
+    """
     diffs = []
     for name, ref in reference.items():
         if name not in candidate:
@@ -200,7 +348,7 @@ def compare_outputs(
         if not isinstance(ref, np.ndarray) or not isinstance(got, np.ndarray):  # sequence/optional outputs
             diffs.append(_compare_values(name, ref, got))
             continue
-        diffs.append(_compare_one(name, ref, got, atol, rtol, min_cosine))
+        diffs.append(_compare_one(name, ref, got, atol, rtol, min_cosine, nan_is_undefined))
     return Comparison(diffs)
 
 
@@ -217,7 +365,8 @@ def _compare_values(name: str, ref, got) -> OutputDiff:
     return OutputDiff(name, 0.0 if ok else float("inf"), 1.0 if ok else 0.0, ok, "" if ok else "sequence/optional output differs")
 
 
-def _compare_one(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, min_cosine: float) -> OutputDiff:
+def _compare_one(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, min_cosine: float,
+                 nan_is_undefined: bool = False) -> OutputDiff:
     if ref.shape != got.shape:
         return OutputDiff(name, float("inf"), 0.0, False, f"shape {got.shape} differs from {ref.shape}")
     if ref.size == 0:
@@ -228,8 +377,10 @@ def _compare_one(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol:
     a = ref.astype(np.float64)
     b = got.astype(np.float64)
     nan_a, nan_b = np.isnan(a), np.isnan(b)
-    if (nan_a != nan_b).any():
-        return OutputDiff(name, float("nan"), float("nan"), False, f"NaN in {int((nan_a != nan_b).sum())} positions that differ")
+    differ = (nan_a & ~nan_b) if not nan_is_undefined else np.zeros_like(nan_a)
+    differ = differ | (nan_b & ~nan_a)
+    if differ.any():
+        return OutputDiff(name, float("nan"), float("nan"), False, f"NaN in {int(differ.sum())} positions that differ")
     finite = ~nan_a
     a, b = a[finite], b[finite]
     max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
@@ -253,5 +404,5 @@ def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
         return 1.0
     if na == 0.0 or nb == 0.0:
         return 0.0
-    return float(np.dot(a, b) / (na * nb))
+    return float(np.clip(np.dot(a, b) / (na * nb), -1.0, 1.0))
 

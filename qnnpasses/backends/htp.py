@@ -127,12 +127,29 @@ def _qnn_devices() -> list[Any]:
     return [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
 
 
-def htp_available() -> bool:
-    """True when onnxruntime-qnn imports and its EP registers at least one device."""
+NOT_INSTALLED, BROKEN, AVAILABLE = "not-installed", "broken", "available"
+
+
+def htp_status() -> tuple[str, str]:
+    """``(state, reason)``: AVAILABLE; NOT_INSTALLED (onnxruntime-qnn is not there: a
+    declared limitation); or BROKEN (installed, but the EP does not load or offers no
+    device: an error, never to be mistaken for "not installed")."""
+    from qnnpasses.errors import BackendUnavailableError
+
     try:
-        return bool(_qnn_devices())
-    except Exception:  # noqa: BLE001 - any failure means "not available"
-        return False
+        devices = _qnn_devices()
+    except BackendUnavailableError as exc:
+        return NOT_INSTALLED, str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is reported, not swallowed
+        return BROKEN, f"onnxruntime-qnn is installed but its EP failed to load: {type(exc).__name__}: {exc}"
+    if not devices:
+        return BROKEN, "onnxruntime-qnn is installed but its EP registered no QNN device"
+    return AVAILABLE, ""
+
+
+def htp_available() -> bool:
+    """True when onnxruntime-qnn imports and its EP registers at least one device (see :func:`htp_status`)."""
+    return htp_status()[0] == AVAILABLE
 
 
 def provider_options(*, fp16: bool = True, backend: str = "htp", extra_options: dict | None = None) -> dict[str, str]:

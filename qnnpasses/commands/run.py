@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     parser.add_argument("--inputs", metavar="X.npz", help="inputs for --verify (default: seeded random inputs)")
     parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...", help="static shape for an input (repeatable)")
     parser.add_argument("--allow-lossy", action="store_true", help="allow passes that change outputs on purpose (e.g. mha-to-gqa)")
-    parser.add_argument("--strict", action="store_true", help="stop with exit code 1 when a pass is rolled back")
+    parser.add_argument("--strict", action="store_true", help="exit 1 without writing the output when a pass is rolled "
+                        "back or the end-to-end --verify comparison fails")
     parser.add_argument("--external-data", choices=("auto", "always", "never"), default="auto",
                         help="where weights go in the output (auto: as in the input, always above 1.8 GB)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random verification inputs")
@@ -47,7 +48,8 @@ def register(subparsers) -> None:
     parser.add_argument("--min-cosine", type=float, default=MIN_COSINE, help=f"minimum cosine of --verify (default {MIN_COSINE})")
     parser.add_argument("--emit", metavar="DIR", help="end with the QNN converter package (DIR/qnn_package) and "
                         "the compiled HTP context model (DIR/model_ctx.onnx)")
-    parser.add_argument("--calib", metavar="DATA", help="calibration samples for --emit (.npz, folder of .npz, or input_list.txt)")
+    parser.add_argument("--calib", metavar="DATA", help="calibration samples (.npz, folder of .npz, or "
+                        "input_list.txt): for --emit, for passes that measure ranges, and the first few for --verify")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
     add_plugin_args(parser)
     parser.set_defaults(func=main)
@@ -64,8 +66,6 @@ def main(args) -> int:
     pipeline = resolve_pipeline(args)
     if args.dump_ir and not args.report_dir:
         raise BadInputError("--dump-ir needs --report-dir")
-    if args.calib and not args.emit:
-        raise BadInputError("--calib is used by --emit; give --emit DIR too")
     shapes = parse_shape_args(args.shape)
     ir = load_model(args.model)
     _check_shape_names(ir, shapes)
@@ -74,22 +74,33 @@ def main(args) -> int:
         inputs = load_inputs(args.inputs)
         check_inputs(ir, inputs)
 
+    calibration = None
+    if args.calib:  # streamed: passes that measure ranges read it, --verify uses its first samples
+        from qnnpasses.quant.calibration import load_data
+
+        calibration = load_data(args.calib, ir)
+
     instruments = [] if args.quiet else [ProgressInstrument()]
     if args.dump_ir:
         instruments.append(IRDumpInstrument(Path(args.report_dir) / "ir"))
     config = RunConfig(verify=args.verify, strict=args.strict, allow_lossy=args.allow_lossy, inputs=inputs,
                        seed=args.seed, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
-    manager = PassManager(pipeline, config, instruments, PassContext(allow_lossy=args.allow_lossy, shapes=shapes))
+    manager = PassManager(pipeline, config, instruments, PassContext(allow_lossy=args.allow_lossy, shapes=shapes,
+                                                                          calibration=calibration))
     ops_before = op_histogram(ir)
     before = model_snapshot(ir) if args.report_dir else None
     try:
         result = manager.run(ir)
     except CheckFailedError:
         if args.report_dir:
-            partial = RunResult(manager.records)
+            partial = manager.result or RunResult(manager.records)
             write_report(build_report(input_path=args.model, output_path=None, pipeline_text=pipeline.to_text(),
                                       result=partial, before=ops_before, after=op_histogram(ir)), args.report_dir)
         raise
+
+    if result.verified_ok is False:  # without --strict: the output is written, the failure is loud
+        print(f"WARNING: end-to-end verification FAILED (output differs from the input model on onnxruntime CPU): "
+              f"{result.final_verification['failure']}", file=sys.stderr)
 
     # lets later tools (quantize) see that the pipeline already ran, and which one
     ir.metadata_props["qnnpasses.passmanager.spec"] = pipeline.to_text()

@@ -1,11 +1,21 @@
 """The pass manager: runs a pipeline, guards every change, and keeps a record per pass.
 
-For each pass it enforces the pass's declaration (lossy passes need ``allow_lossy``;
-``requires`` must hold), keeps a rollback copy, runs the pass, and, when the graph
-changed, checks it (ONNX checker + strict shape inference, shapes refreshed) and with
-``verify`` compares the outputs before and after on onnxruntime CPU.  A pass that
-raises, breaks the check or the tolerance is rolled back and recorded with the
-reason and figures; the pipeline goes on, or stops with ``strict``.
+For each pass it enforces the pass's declaration: a contract that needs opting in runs only
+with ``allow_lossy``; a required property with a checker must hold (else the pass is
+skipped with the reason).  It keeps a rollback copy and runs the pass.  Whether the graph
+changed is decided by a structural fingerprint taken before and after (O(nodes), see
+``fingerprint.py``), never by the pass's ``PassResult.changed``: a pass that says
+"unchanged" and changed the graph is treated as changed and recorded as misreported.
+Every changed graph is checked (ONNX checker + strict shape inference, shapes refreshed)
+and, with ``verify``, run on onnxruntime CPU on every verification case
+(``backends.cpu.verification_cases``) and compared with the outputs before the pass,
+as the pass's contract says: its own tolerance for an approximation, only the cases an
+assumption holds on, through the renamed outputs of an interface change.  A pass that
+raises, breaks the check or its contract is rolled back and recorded with the reason and
+figures; the pipeline goes on, or stops with ``strict``.  Ensured properties with a checker
+are checked after the pass (a miss is recorded).  At the end the output is compared with
+the input model on the cases every applied contract holds on; with ``strict`` a failure
+there is an error too (:class:`CheckFailedError`).
 
 Instruments observe the run through hooks (before/after pipeline and pass), the way
 MLIR's PassInstrumentation does: the progress display, IR dumps and per-pass diffs
@@ -25,19 +35,32 @@ from qnnpasses.backends.cpu import (
     ATOL,
     MIN_COSINE,
     RTOL,
+    Comparison,
+    VerificationCase,
     adapt_inputs,
     compare_outputs,
-    make_inputs,
-    run_cpu,
+    run_cpu_many,
+    verification_cases,
 )
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.checks import check_model
 from qnnpasses.ir.model import IRModel
-from qnnpasses.ir.shapes import has_static_shapes
-from qnnpasses.passmanager.api import STATIC_SHAPES, Pass, PassContext, PassResult
+from qnnpasses.passmanager.api import (
+    ALL_CASES,
+    APPROXIMATE_KIND,
+    CASE_GIVEN,
+    Contract,
+    Pass,
+    PassContext,
+    PassResult,
+    get_property,
+)
+from qnnpasses.passmanager.fingerprint import fingerprint, out_of_order
 from qnnpasses.passmanager.spec import Item, Pipeline, Repeat, format_items
 
 CHANGED, UNCHANGED, ROLLED_BACK, SKIPPED = "changed", "unchanged", "rolled-back", "skipped"
+# at most this many --inputs/--calib samples join the verification cases
+MAX_GIVEN_SAMPLES = 4
 
 
 @dataclass
@@ -59,7 +82,9 @@ class PassRecord:
     notes: list[str] = field(default_factory=list)
     verification: dict[str, Any] | None = None
     reason: str = ""
-    lossless: bool = True
+    contract: dict[str, Any] = field(default_factory=dict)
+    lossless: bool = True  # the contract runs without --allow-lossy
+    misreported: bool = False  # PassResult.changed disagreed with the graph
     iteration: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,10 +107,16 @@ class RunConfig:
 class RunResult:
     records: list[PassRecord]
     final_verification: dict[str, Any] | None = None
+    verification_cases: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def rolled_back(self) -> list[PassRecord]:
         return [r for r in self.records if r.status == ROLLED_BACK]
+
+    @property
+    def verified_ok(self) -> bool | None:
+        """The end-to-end verification's verdict (None without ``verify``)."""
+        return None if self.final_verification is None else bool(self.final_verification["ok"])
 
 
 class Instrument:
@@ -113,6 +144,11 @@ def _fill_structural_delta(record: PassRecord, before: list[tuple[str, str]], af
     record.op_delta = {op: count for op, count in sorted(delta.items()) if count}
 
 
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
+
+
 class PassManager:
     def __init__(self, pipeline: Pipeline, config: RunConfig | None = None, instruments: list[Instrument] | None = None,
                  context: PassContext | None = None):
@@ -122,35 +158,59 @@ class PassManager:
         self.context = context or PassContext()
         self.context.allow_lossy = self.context.allow_lossy or self.config.allow_lossy
         self.records: list[PassRecord] = []
-        self._inputs: dict[str, np.ndarray] | None = None
-        self._reference: dict[str, np.ndarray] | None = None
+        self.result: RunResult | None = None
+        self._cases: list[VerificationCase] = []
+        self._reference: list[dict[str, np.ndarray]] = []
         self._spare_snapshot: IRModel | None = None
+        self._renames: dict[str, str] = {}  # original output name -> its name now
+        self._applied: list[Contract] = []  # contracts of the passes that changed the graph
 
     # ------------------------------------------------------------------ driving
 
     def run(self, ir: IRModel) -> RunResult:
-        self.records = []
-        self._spare_snapshot = None
-        original_outputs = None
+        self.records, self.result = [], None
+        self._spare_snapshot, self._applied = None, []
+        original: list[dict[str, np.ndarray]] = []
+        self._renames = {t.name: t.name for t in ir.graph.outputs}
         if self.config.verify:
-            self._inputs = self.config.inputs or make_inputs(ir, self.config.seed, self._planned_shapes(ir))
-            try:
-                original_outputs = self._reference = run_cpu(ir, self._inputs)
-            except Exception as exc:
-                shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in self._inputs.items())
-                raise BadInputError(f"onnxruntime cannot run the input model on the verification inputs ({shapes}): "
-                                    f"{str(exc).strip().splitlines()[0][:200]}; give --shape or --inputs") from None
+            original = self._prepare_cases(ir)
         for instrument in self.instruments:
             instrument.before_pipeline(ir, self.pipeline)
         self._run_items(self.pipeline.items, ir, iteration=None)
-        result = RunResult(self.records)
-        if original_outputs is not None:
-            final = compare_outputs(original_outputs, run_cpu(ir, adapt_inputs(ir, self._inputs)), atol=self.config.atol,
-                                    rtol=self.config.rtol, min_cosine=self.config.min_cosine)
-            result.final_verification = final.summary()
+        result = self.result = RunResult(self.records, verification_cases=[
+            {"name": c.name, "detail": c.detail} for c in self._cases])
+        if original:
+            result.final_verification = self._final_verification(ir, original)
         for instrument in self.instruments:
             instrument.after_pipeline(ir, result)
+        if self.config.strict and result.verified_ok is False:
+            raise CheckFailedError(f"end-to-end verification failed: {result.final_verification['failure']}")
         return result
+
+    def _prepare_cases(self, ir: IRModel) -> list[dict[str, np.ndarray]]:
+        given = [self.config.inputs] if self.config.inputs else []
+        calibration = self.context.calibration
+        if calibration is not None:
+            for i, sample in enumerate(calibration):
+                if i >= MAX_GIVEN_SAMPLES:
+                    break
+                given.append(dict(sample))
+        shapes = self._planned_shapes(ir)
+        if self.config.inputs:  # the user's inputs set the shapes of every case
+            shapes.update({k: list(v.shape) for k, v in self.config.inputs.items() if isinstance(v, np.ndarray)})
+        cases = verification_cases(ir, self.config.seed, shapes, given[:MAX_GIVEN_SAMPLES])
+        outputs = run_cpu_many(ir, [c.inputs for c in cases], keep_going=True)
+        # the user's inputs must run (else the random ones must): the others may be no case for this model
+        must = next((i for i, c in enumerate(cases) if c.name == CASE_GIVEN), 0) if self.config.inputs else 0
+        if isinstance(outputs[must], Exception):
+            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in cases[must].inputs.items())
+            raise BadInputError(f"onnxruntime cannot run the input model on the verification inputs ({shapes}): "
+                                f"{_first_line(outputs[must], 200)}; give --shape or --inputs")
+        # a case the input model itself cannot run (e.g. ids out of a range it checks) is no case
+        kept = [(c, o) for c, o in zip(cases, outputs) if not isinstance(o, Exception)]
+        self._cases = [c for c, _ in kept]
+        self._reference = [o for _, o in kept]
+        return list(self._reference)
 
     def _planned_shapes(self, ir: IRModel) -> dict[str, list[int]]:
         """Input shapes for verification: what a shape-fixing pass in the pipeline will set,
@@ -176,8 +236,9 @@ class PassManager:
     # ------------------------------------------------------------------ one pass
 
     def _run_pass(self, pass_: Pass, ir: IRModel, iteration: int | None) -> bool:
+        contract = pass_.contract
         record = PassRecord(index=len(self.records) + 1, name=pass_.name, spec=format_items([pass_]),
-                            lossless=pass_.lossless, iteration=iteration)
+                            contract=contract.as_dict(), lossless=not contract.needs_opt_in, iteration=iteration)
         before_keys = _node_keys(ir)
         record.nodes_before = record.nodes_after = len(before_keys)
         for instrument in self.instruments:
@@ -195,18 +256,24 @@ class PassManager:
         return record.changed
 
     def _skip_reason(self, pass_: Pass, ir: IRModel) -> str:
-        if not pass_.lossless and not self.context.allow_lossy:
-            return "lossy pass; run with --allow-lossy to apply it"
-        if STATIC_SHAPES in pass_.requires and not has_static_shapes(ir.graph):
-            return "needs static input shapes; give --shape NAME=D0,D1,... or run fix-shapes first"
+        if pass_.contract.needs_opt_in and not self.context.allow_lossy:
+            return f"lossy pass ({pass_.contract.describe()}); run with --allow-lossy to apply it"
+        for name in sorted(pass_.requires):
+            check = get_property(name).check
+            reason = check(ir) if check is not None else ""
+            if reason:
+                return f"requires {name}: {reason}"
         return ""
 
     def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord, before_keys: list[tuple[str, str]]) -> None:
         # a copy taken before a pass that then changed nothing is still a copy of the graph
         snapshot, self._spare_snapshot = self._spare_snapshot or ir.copy(), None
+        before = fingerprint(ir)
+        renames = {}
         self.context.forget_names()
         start = time.perf_counter()
         try:
+            renames = dict(pass_.output_renames(ir, self.context) or {})
             result = pass_.run(ir, self.context)
             if not isinstance(result, PassResult):
                 raise TypeError(f"run() returned {type(result).__name__}, not PassResult")
@@ -215,38 +282,130 @@ class PassManager:
             self._roll_back(ir, snapshot, record, f"pass raised {type(exc).__name__}: {exc}")
             return
         record.stats, record.notes = dict(result.stats), list(result.notes)
-        if not result.changed:
+        after = fingerprint(ir)
+        changed = not before.same_graph(after)
+        if not changed and after.order != before.order:  # only reordered: that needs no check but the order's
+            problem = out_of_order(ir.graph)
+            if problem:
+                record.seconds = time.perf_counter() - start
+                self._roll_back(ir, snapshot, record, f"graph check failed: nodes out of topological order: {problem}")
+                return
+        if changed != bool(result.changed):
+            record.misreported = True
+            record.notes.append(f"pass reported changed={bool(result.changed)} but the graph "
+                                f"{'changed' if changed else 'did not change'}; the manager went by the graph")
+        if not changed:
             record.seconds = time.perf_counter() - start
             self._spare_snapshot = snapshot
+            self._check_ensures(pass_, ir, record)
             return
         failure = check_model(ir, refresh=True)
         record.seconds = time.perf_counter() - start
         if failure:
             self._roll_back(ir, snapshot, record, f"graph check failed: {failure}")
             return
-        if self.config.verify and not self._verify(pass_, ir, record):
+        if self.config.verify and self._cases and not self._verify(pass_, ir, record, renames):
             self._roll_back(ir, snapshot, record, record.reason)
             return
         after_keys = _node_keys(ir)
         record.status, record.changed, record.nodes_after = CHANGED, True, len(after_keys)
         _fill_structural_delta(record, before_keys, after_keys)
+        self._applied.append(pass_.contract)
+        self._renames = {original: renames.get(now, now) for original, now in self._renames.items()}
+        self._check_ensures(pass_, ir, record)
 
-    def _verify(self, pass_: Pass, ir: IRModel, record: PassRecord) -> bool:
-        try:
-            outputs = run_cpu(ir, adapt_inputs(ir, self._inputs))
-        except Exception as exc:
-            record.reason = f"onnxruntime cannot run the rewritten graph: {str(exc).strip().splitlines()[0][:300]}"
+    def _check_ensures(self, pass_: Pass, ir: IRModel, record: PassRecord) -> None:
+        for name in sorted(pass_.ensures):
+            check = get_property(name).check
+            reason = check(ir) if check is not None else ""
+            if reason:
+                record.notes.append(f"ensures {name}, which does not hold: {reason}")
+
+    def _verify(self, pass_: Pass, ir: IRModel, record: PassRecord, renames: dict[str, str]) -> bool:
+        contract = pass_.contract
+        outputs = run_cpu_many(ir, [adapt_inputs(ir, c.inputs) for c in self._cases], keep_going=True)
+        broken = next((o for c, o in zip(self._cases, outputs)
+                       if isinstance(o, Exception) and c.name in contract.holds_on), None)
+        if broken is not None:
+            record.reason = f"onnxruntime cannot run the rewritten graph: {_first_line(broken)}"
             return False
-        comparison = compare_outputs(self._reference, outputs, atol=self.config.atol, rtol=self.config.rtol,
-                                     min_cosine=self.config.min_cosine)
-        record.verification = comparison.summary()
-        if not comparison.ok and pass_.lossless:
-            record.reason = f"outputs changed beyond tolerance: {comparison.failure()}"
+        atol, rtol, min_cosine = contract.tolerance(self.config.atol, self.config.rtol, self.config.min_cosine)
+        comparisons = {}
+        for case, reference, got in zip(self._cases, self._reference, outputs):
+            if case.name not in contract.holds_on or isinstance(got, Exception):
+                continue
+            mapped = {renames.get(k, k): v for k, v in reference.items()}
+            comparisons.setdefault(case.name, []).append(compare_outputs(
+                mapped, got, atol=atol, rtol=rtol, min_cosine=min_cosine, nan_is_undefined=True))
+        record.verification = _verification_summary(comparisons, atol, rtol, min_cosine, self._cases)
+        if not record.verification["ok"]:
+            if contract.kind == APPROXIMATE_KIND:
+                what = f"outputs moved beyond the contract's tolerance ({contract.describe()})"
+            else:
+                what = "outputs changed beyond tolerance"
+            record.reason = f"{what}: {record.verification['failure']}"
             return False
-        self._reference = outputs
+        # every case's reference moves on, also those the contract does not speak for
+        self._reference = [got if not isinstance(got, Exception) else {} for got in outputs]
         return True
+
+    def _final_verification(self, ir: IRModel, original: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+        holds = set(ALL_CASES)
+        for contract in self._applied:
+            holds &= contract.holds_on
+        atol, rtol, min_cosine = self.config.atol, self.config.rtol, self.config.min_cosine
+        for contract in self._applied:
+            if contract.kind == APPROXIMATE_KIND:
+                atol, rtol = max(atol, contract.atol), max(rtol, contract.rtol)
+                min_cosine = min(min_cosine, contract.min_cosine)
+        outputs = run_cpu_many(ir, [adapt_inputs(ir, c.inputs) for c in self._cases], keep_going=True)
+        comparisons: dict[str, list[Comparison]] = {}
+        for case, reference, got in zip(self._cases, original, outputs):
+            if case.name not in holds:
+                continue
+            if isinstance(got, Exception):
+                return {"ok": False, "max_abs": float("inf"), "cosine": 0.0, "outputs": [], "cases": {},
+                        "failure": f"onnxruntime cannot run the output on case {case.name}: {_first_line(got)}"}
+            mapped = {self._renames.get(k, k): v for k, v in reference.items()}
+            comparisons.setdefault(case.name, []).append(compare_outputs(
+                mapped, got, atol=atol, rtol=rtol, min_cosine=min_cosine, nan_is_undefined=True))
+        summary = _verification_summary(comparisons, atol, rtol, min_cosine, self._cases)
+        not_compared = sorted({c.name for c in self._cases} - holds)
+        if not_compared:
+            summary["not_compared"] = {name: "an applied pass's contract assumes what these inputs break"
+                                       for name in not_compared}
+        return summary
 
     @staticmethod
     def _roll_back(ir: IRModel, snapshot: IRModel, record: PassRecord, reason: str) -> None:
         ir.restore(snapshot)
         record.status, record.changed, record.reason = ROLLED_BACK, False, reason
+
+
+def _verification_summary(comparisons: dict[str, list[Comparison]], atol: float, rtol: float, min_cosine: float,
+                          cases: list[VerificationCase]) -> dict[str, Any]:
+    """``{ok, max_abs, cosine, outputs, cases, tolerance[, failure]}``: the worst case's per-output
+    figures, and max abs / min cosine / ok per case."""
+    flat = [(name, c) for name, items in comparisons.items() for c in items]
+    if not flat:
+        return {"ok": True, "max_abs": 0.0, "cosine": 1.0, "outputs": [], "cases": {},
+                "tolerance": {"atol": atol, "rtol": rtol, "min_cosine": min_cosine},
+                "note": "no verification case satisfies the contract: not compared"}
+    failing = [(n, c) for n, c in flat if not c.ok]
+    worst_name, worst = failing[0] if failing else max(flat, key=lambda item: (_finite(item[1].max_abs), -item[1].cosine))
+    per_case = {}
+    for name, items in comparisons.items():
+        per_case[name] = {"ok": all(c.ok for c in items), "max_abs": max(c.max_abs for c in items),
+                          "cosine": min(c.cosine for c in items)}
+    summary = {"ok": not failing, "max_abs": max(c.max_abs for _, c in flat), "cosine": min(c.cosine for _, c in flat),
+               "outputs": worst.summary()["outputs"], "worst_case": worst_name, "cases": per_case,
+               "tolerance": {"atol": atol, "rtol": rtol, "min_cosine": min_cosine}}
+    if failing:
+        detail = {c.name: c.detail for c in cases}
+        summary["failure"] = "; ".join(
+            f"[{name}{' (' + detail[name] + ')' if detail.get(name) else ''}] {c.failure()}" for name, c in failing[:3])
+    return summary
+
+
+def _finite(value: float) -> float:
+    return value if np.isfinite(value) else float("inf")

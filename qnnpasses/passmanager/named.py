@@ -33,27 +33,90 @@ def get_pipeline(name: str) -> Pipeline:
     return parse_pipeline(_PIPELINES[name].spec)
 
 
-# Order matters (see each pass's module): simplify first, because the fusions match on
-# initializers and folded shapes; attention passes before layout, which rewrites the
-# reshapes they match; fusions before decompositions, so nothing fused is undone;
-# fp16-safety after the fusions, for whatever stayed decomposed.
-# onnxruntime contrib ops (model-builder exports) first: shape inference stops at them
-_HTP_LLM_HEAD = "lower-simplified-norm,lower-gqa,lower-matmulnbits,fix-shapes,simplify,gathernd,lower-int64,attention-cleanup"
-_HTP_LLM_TAIL = (
-    "gqa-broadcast,fuse-rmsnorm,fuse-layernorm,decompose-layernorm,fuse-gelu,decompose-gelu,fp16-safety,"
-    "rotary,repeat{max=3}(layout,simplify{use_onnxsim=false}),cleanup"
-)
+def derive_order(names: list[str], *, first: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> list[str]:
+    """The passes ``names`` in an order that satisfies their declarations.
+
+    A pass that ``ensures`` a property runs before every pass that ``requires`` it (a stable
+    topological sort: among passes that are ready, the one listed first goes first, so the
+    list states preferences and the declarations state rules).  ``first`` and ``last`` are
+    the hard rules, asserted: nothing may need to run before a ``first`` pass or after a
+    ``last`` one.  A cycle is a :class:`PipelineSpecError` naming the passes in it.
+    """
+    from qnnpasses.passmanager.api import get_pass
+
+    classes = {name: get_pass(name) for name in names}
+    before: dict[str, set[str]] = {name: set() for name in names}  # name -> passes that must precede it
+    for a, a_cls in classes.items():
+        for b, b_cls in classes.items():
+            if a != b and a_cls.ensures & b_cls.requires:
+                before[b].add(a)
+    for name in first:
+        if before.get(name):
+            raise PipelineSpecError(f"'{name}' must run first but requires what {sorted(before[name])} ensure")
+    for name in last:
+        needed_by = sorted(b for b, deps in before.items() if name in deps)
+        if needed_by:
+            raise PipelineSpecError(f"'{name}' must run last but {needed_by} require what it ensures")
+    pinned = set(first) | set(last)
+    middle = [n for n in names if n not in pinned]
+    order = [n for n in first if n in classes]
+    placed = set(order)
+    while middle:
+        ready = next((n for n in middle if before[n] <= placed), None)
+        if ready is None:
+            raise PipelineSpecError(f"pass declarations form a cycle among {sorted(middle)}")
+        order.append(ready)
+        placed.add(ready)
+        middle.remove(ready)
+    return order + [n for n in last if n in classes]
+
+
+def pipeline_text(order: list[str], spelled: dict[str, str]) -> str:
+    """The textual pipeline for ``order``, with some passes spelled out (options, repeat groups)."""
+    return ",".join(spelled.get(name, name) for name in order)
+
+
+# htp-llm, derived: the declarations (requires/ensures, see `qnnpasses passes`) fix what must
+# precede what -- simplify before the fusions, which match on initializers and folded shapes;
+# gathernd before lower-int64 (GatherND takes only int64 indices); finite masks before the
+# grouped-attention rewrites; the attention rewrites before layout, which rewrites the
+# reshapes they match; fusions before decompositions, so nothing fused is undone; fp16-safety
+# after the norms are final, for whatever stayed decomposed.  This list only breaks ties.
+# Hard rules: fix-shapes first (every later pass sees static shapes), cleanup last.
+# onnxruntime contrib ops (model-builder exports) are lowered before fix-shapes: shape
+# inference stops at them, and what they become must be shaped with the rest
+CONTRIB_LOWERINGS = ("lower-simplified-norm", "lower-gqa", "lower-rotary-embedding", "lower-mha", "lower-matmulnbits")
+HTP_LLM_PASSES = [
+    *CONTRIB_LOWERINGS, "fix-shapes", "simplify", "gathernd", "lower-int64", "attention-cleanup", "gqa-broadcast", "fuse-rmsnorm",
+    "fuse-layernorm", "decompose-layernorm", "fuse-gelu", "decompose-gelu", "fp16-safety", "rotary", "layout", "cleanup",
+]
+HTP_LLM_FIRST, HTP_LLM_LAST = (*CONTRIB_LOWERINGS, "fix-shapes"), ("cleanup",)
+HTP_LLM_SPELLED = {"layout": "repeat{max=3}(layout,simplify)", "mha-to-gqa": "mha-to-gqa{groups=2}"}
+
+
+def htp_llm_text(extra: dict[str, str] | None = None) -> str:
+    """htp-llm's textual form, derived from the pass declarations.
+
+    ``extra`` adds passes to it: name -> the pass it prefers to follow (a tie-break; the
+    declarations still decide what must come first).
+    """
+    names = list(HTP_LLM_PASSES)
+    for name, after in (extra or {}).items():
+        names.insert(names.index(after) + 1, name)
+    return pipeline_text(derive_order(names, first=HTP_LLM_FIRST, last=HTP_LLM_LAST), HTP_LLM_SPELLED)
+
 
 register_pipeline(
     "htp-llm",
-    f"{_HTP_LLM_HEAD},{_HTP_LLM_TAIL}",
+    htp_llm_text(),
     "Put an exported LLM/transformer fully on the QNN HTP: static shapes, folded shape math, no int64, "
     "finite masks, grouped attention, native fused norms and GeLU, fp16-safe normalizations, "
     "rotary without data movement, fewer layout ops.",
 )
 register_pipeline(
     "htp-llm-gqa",
-    f"{_HTP_LLM_HEAD},mha-to-gqa{{groups=2}},{_HTP_LLM_TAIL}",
+    # before rotary and layout, which rewrite the head projections it traces
+    htp_llm_text({"mha-to-gqa": "attention-cleanup"}),
     "htp-llm plus the lossy MHA->GQA conversion (needs --allow-lossy): halves the KV cache.",
 )
 register_pipeline("cleanup", "cleanup", "Dead-code removal and topological sort only.")

@@ -53,6 +53,7 @@ def build_report(*, input_path: str, output_path: str | None, pipeline_text: str
         "ops_after": after,
         "passes": [r.as_dict() for r in result.records],
         "final_verification": result.final_verification,
+        "verification_cases": result.verification_cases,
     }
     report.update(extra or {})
     return report
@@ -85,9 +86,11 @@ def pass_table_rows(report: dict[str, Any]) -> list[list[str]]:
         figures = f"{verification['max_abs']:.2e} / {verification['cosine']:.6f}" if verification else ""
         stats = _compact_stats(p["stats"])
         status = p["status"] + (f" ({p['reason']})" if p["reason"] else "")
+        if p.get("misreported"):
+            status += " [pass misreported changed]"
         delta = " ".join(f"{op}{n:+d}" for op, n in p["op_delta"].items())
-        rows.append([str(p["index"]), p["spec"], status, f"{p['nodes_before']}→{p['nodes_after']}", delta, stats,
-                     figures, f"{p['seconds']:.2f}"])
+        rows.append([str(p["index"]), p["spec"], CONTRACT_SHORT.get(p.get("contract", {}).get("kind"), "?"), status,
+                     f"{p['nodes_before']}→{p['nodes_after']}", delta, stats, figures, f"{p['seconds']:.2f}"])
     return rows
 
 
@@ -98,7 +101,8 @@ def _compact_stats(stats: dict[str, Any], limit: int = 70) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-TABLE_HEADER = ["#", "pass", "status", "nodes", "op delta", "stats", "max abs / cosine", "s"]
+TABLE_HEADER = ["#", "pass", "contract", "status", "nodes", "op delta", "stats", "max abs / cosine", "s"]
+CONTRACT_SHORT = {"exact": "exact", "approximate": "approx", "assumes": "assumes", "changes-interface": "interface"}
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -112,7 +116,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     final = report.get("final_verification")
     if final:
-        lines.append(f"- end-to-end vs input (onnxruntime CPU): max abs {final['max_abs']:.3g}, cosine {final['cosine']:.8f}")
+        verdict = "ok" if final.get("ok", True) else f"**FAILED**: {final.get('failure', '')}"
+        lines.append(f"- end-to-end vs input (onnxruntime CPU): max abs {final['max_abs']:.3g}, "
+                     f"cosine {final['cosine']:.8f}, {verdict}")
+        compared = ", ".join(final.get("cases", {}))
+        skipped = ", ".join(final.get("not_compared", {}))
+        lines.append(f"- verification cases compared end to end: {compared or 'none'}"
+                     + (f"; not compared (an applied contract assumes what they break): {skipped}" if skipped else ""))
     for key, value in report.items():
         if key.startswith("summary_") and isinstance(value, str):
             lines.append(f"- {key[len('summary_'):].replace('_', ' ')}: {value}")
@@ -129,6 +139,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     for row in pass_table_rows(report):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    contracts = {p["name"]: p["contract"]["text"] for p in report["passes"] if p.get("contract")}
+    if contracts:
+        lines += ["", "## Contracts", ""] + [f"- `{name}`: {text}" for name, text in contracts.items()]
     lines += ["", "## Op types", "", "| op | before | after |", "|---|---|---|"]
     ops = sorted(set(report["ops_before"]) | set(report["ops_after"]))
     for op in ops:
