@@ -14,7 +14,8 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext, register_property
-from qnnpasses.passmanager.rewrite import make_constant, make_node
+from qnnpasses.ir.shapes import is_static
+from qnnpasses.passmanager.rewrite import constant_value, make_constant, make_node, producer
 
 MICROSOFT = "com.microsoft"
 #: contrib ops the lowering family rewrites (the norm family does the SimplifiedLayerNormalizations)
@@ -66,12 +67,15 @@ class Emitter:
         split = self.op("Reshape", [x, self.const([0, 0, heads, head_size], np.int64)], dtype=x.dtype)
         return self.op("Transpose", [split], attrs={"perm": [0, 2, 1, 3]}, dtype=x.dtype)
 
-    def rotate(self, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor, head_size: int, interleaved: bool) -> gs.Variable:
+    def rotate(self, x: gs.Tensor, cos: gs.Tensor, sin: gs.Tensor, head_size: int, interleaved: bool,
+               into: gs.Variable | None = None) -> gs.Variable:
         """``x*cos + (x @ R)*sin``: the form the ``rotary`` pass produces (R a signed permutation)."""
-        r = rotation_matrix(head_size, interleaved, np.dtype(x.dtype or np.float32))
+        r = rotation_matrix(head_size, interleaved, np.dtype(x.dtype or cos.dtype or np.float32))
         turned = self.op("MatMul", [x, self.const(r.reshape(1, 1, head_size, head_size))], dtype=x.dtype)
-        return self.op("Add", [self.op("Mul", [x, cos], dtype=x.dtype), self.op("Mul", [turned, sin], dtype=x.dtype)],
-                       dtype=x.dtype)
+        terms = [self.op("Mul", [x, cos], dtype=x.dtype), self.op("Mul", [turned, sin], dtype=x.dtype)]
+        if into is not None:
+            return self.op("Add", terms, outputs=[into])[0]
+        return self.op("Add", terms, dtype=x.dtype)
 
     def cos_sin(self, cache: gs.Tensor, positions: gs.Tensor, head_size: int, interleaved: bool) -> gs.Variable:
         """Rows of a ``[max_pos, head_size/2]`` cache at ``positions [B, S]`` -> ``[B, 1, S, head_size]``."""
@@ -80,6 +84,33 @@ class Emitter:
         rows = self.op("Gather", [cache, positions], attrs={"axis": 0}, dtype=cache.dtype)
         full = self.op("Gather", [rows, self.const(index, np.int64)], attrs={"axis": -1}, dtype=cache.dtype)
         return self.op("Unsqueeze", [full, self.const([1], np.int64)], dtype=cache.dtype)
+
+
+def last_dim(tensor: gs.Tensor) -> int | None:
+    """A tensor's last dim: declared, or read off the projection that makes it (MatMul weight,
+    MatMulNBits ``N``), looking through shape-keeping ops (rotary) -- shapes are not inferred
+    past contrib ops."""
+    for _ in range(3):
+        if tensor.shape and is_static(tensor.shape[-1]):
+            return int(tensor.shape[-1])
+        node = producer(tensor)
+        if node is None:
+            return None
+        if node.op == "MatMulNBits" and "N" in node.attrs:
+            return int(node.attrs["N"])
+        operand = constant_value(node.inputs[1]) if node.op in ("MatMul", "Add", "Reshape") and len(node.inputs) > 1 else None
+        if node.op == "Reshape":
+            return int(operand[-1]) if operand is not None and operand.size and operand[-1] > 0 else None
+        if operand is not None and operand.ndim >= 1:
+            return int(operand.shape[-1])
+        if node.op not in SHAPE_KEEPING:
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+#: ops whose output has their first input's last dim
+SHAPE_KEEPING = frozenset({"RotaryEmbedding", "Cast", "Identity", "Add", "Mul"})
 
 
 def rotation_matrix(head_size: int, interleaved: bool, dtype: np.dtype) -> np.ndarray:

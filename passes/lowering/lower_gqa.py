@@ -31,12 +31,13 @@ import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib
+from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib, last_dim
+from qnnpasses.passes.lowering._kv_io import declare_kv_dims, find_kv_interface, planned_kv_shapes
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.ir.shapes import is_static, resolve_dim
+from qnnpasses.ir.shapes import is_static
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, assumes, register_pass
-from qnnpasses.passmanager.rewrite import constant_value, finish, producer
+from qnnpasses.passmanager.rewrite import finish, producer
 
 MASK_VALUE = -1.0e4  # what attention-cleanup makes every mask use (see its docstring)
 _UNSUPPORTED_ATTRS = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0}
@@ -66,36 +67,10 @@ class LowerGQA(Pass):
     def planned_input_shapes(self, ir: IRModel, ctx: PassContext) -> dict[str, list[int]] | None:
         """Consistent verification shapes: ``attention_mask`` length = past + sequence."""
         nodes = [n for n in ir.graph.nodes if is_contrib(n, "GroupQueryAttention") and not _why_not(n)]
-        if not nodes:
+        kv = find_kv_interface(ir, _mask_input(ir, nodes[0].inputs[5])) if nodes else None
+        if kv is None:
             return None
-        values: dict[str, int] = {}
-        for tensor in ir.graph.inputs:  # --shape binds symbols
-            given = ctx.shapes.get(tensor.name)
-            for dim, value in zip(tensor.shape or [], given or []):
-                if not is_static(dim) and dim:
-                    values[str(dim)] = int(value)
-        planned: dict[str, list[int]] = {}
-        mask = _mask_input(ir, nodes[0].inputs[5])
-        for tensor in ir.graph.inputs:
-            if isinstance(tensor, gs.Constant) or tensor.shape is None:
-                continue
-            planned[tensor.name] = [_dim_value(d, tensor.name, i, values) for i, d in enumerate(tensor.shape)]
-        if mask is not None and mask.name not in ctx.shapes:
-            past = nodes[0].inputs[3]
-            query = nodes[0].inputs[0]
-            planned[mask.name] = [planned[mask.name][0],
-                                  _dim_value(past.shape[2], past.name, 2, values) + _dim_value(query.shape[1], query.name, 1, values)]
-        for node in nodes:  # the cache's head dim is the head size, whatever its symbol resolves to
-            for past in node.inputs[3:5]:
-                if past.name in planned and past.name not in ctx.shapes:
-                    planned[past.name][3] = _head_size(node)
-        return planned
-
-
-def _dim_value(dim, name: str, index: int, values: dict[str, int]) -> int:
-    if is_static(dim):
-        return int(dim)
-    return values.setdefault(str(dim), resolve_dim(dim, name, index))
+        return planned_kv_shapes(ir, ctx, kv, _head_size(nodes[0]), nodes[0].inputs[0].shape[1])
 
 
 def _why_not(node: gs.Node) -> str:
@@ -128,25 +103,8 @@ def _head_size(node: gs.Node) -> int | None:
     if past and len(past) == 4 and is_static(past[3]):
         return int(past[3])
     packed = not (len(node.inputs) > 1 and node.inputs[1].name)
-    width = _last_dim(node.inputs[0])
+    width = last_dim(node.inputs[0])
     return width // (heads + 2 * kv_heads if packed else heads) if width else None
-
-
-def _last_dim(tensor: gs.Tensor) -> int | None:
-    """A tensor's last dim: declared, or read off the projection (MatMul weight, MatMulNBits N) that makes it."""
-    for _ in range(3):
-        if tensor.shape and is_static(tensor.shape[-1]):
-            return int(tensor.shape[-1])
-        node = producer(tensor)
-        if node is None:
-            return None
-        if node.op == "MatMulNBits" and "N" in node.attrs:
-            return int(node.attrs["N"])
-        weight = constant_value(node.inputs[1]) if node.op in ("MatMul", "Add") and len(node.inputs) > 1 else None
-        if weight is not None and weight.ndim >= 1:
-            return int(weight.shape[-1])
-        tensor = node.inputs[0]
-    return None
 
 
 def _mask_input(ir: IRModel, seqlens: gs.Tensor) -> gs.Variable | None:
@@ -199,7 +157,9 @@ def _lower(ir: IRModel, ctx: PassContext, node: gs.Node, shared: dict) -> None:
     attended = e.op("MatMul", [probs, values], dtype=dtype)
     merged = e.op("Transpose", [attended], attrs={"perm": [0, 2, 1, 3]}, dtype=dtype)
     e.op("Reshape", [merged, e.const([0, 0, heads * head], np.int64)], outputs=[out])
-    _consistent_dims(ir, query, past_k, past_v, present_k, present_v, _mask_input(ir, seqlens), head)
+    kv = find_kv_interface(ir, _mask_input(ir, seqlens))
+    if kv is not None and query.shape:
+        declare_kv_dims(ir, kv, head, query.shape[1])
 
 
 def _concat(e: Emitter, past: gs.Tensor, new: gs.Tensor, present: gs.Variable | None, dtype) -> gs.Variable:
@@ -254,21 +214,3 @@ def _shared(e: Emitter, ir: IRModel, node: gs.Node, query: gs.Tensor, past_k: gs
     mask = e.op("Where", [allowed, e.const(0.0, dtype), e.const(MASK_VALUE, dtype)], dtype=dtype)
     shared[key] = {"cos_sin": cos_sin, "mask": mask}
     return shared[key]
-
-
-def _consistent_dims(ir: IRModel, query: gs.Tensor, past_k: gs.Tensor, past_v: gs.Tensor, present_k, present_v,
-                     mask: gs.Variable | None, head: int) -> None:
-    """Declare what the lowered graph needs: total length = past + sequence, static head dim."""
-    seq = (query.shape or [None, None])[1]
-    for past in (past_k, past_v):
-        if any(past is t for t in ir.graph.inputs) and past.shape and len(past.shape) == 4 and not is_static(past.shape[3]):
-            past.shape = [*past.shape[:3], head]
-    past_len = (past_k.shape or [None] * 4)[2]
-    if is_static(seq) or is_static(past_len) or not seq or not past_len:
-        return
-    total = f"{past_len} + {seq}"
-    for present in (present_k, present_v):
-        if any(present is t for t in ir.graph.outputs) and present.shape and len(present.shape) == 4:
-            present.shape = [present.shape[0], present.shape[1], total, head]
-    if mask is not None and mask.shape and not is_static(mask.shape[1]):
-        mask.shape = [mask.shape[0], total]
