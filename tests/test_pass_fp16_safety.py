@@ -50,7 +50,7 @@ ops = op_counts
 
 @pytest.mark.parametrize("body, kind", [(RMS, "rms_rewritten"), (LAYERNORM, "layernorm_rewritten")])
 def test_normalization_of_a_graph_input_is_rewritten_overflow_free(body, kind):
-    ir, record = rewrite(model(body))
+    ir, record = rewrite(model(body), "fp16-safety{static=all}")
     assert record.stats[kind] == 1
     counts = ops(ir)
     assert counts["Pow"] == 0 and counts["ReduceMax"] == 1 and counts["Abs"] == 1 and counts["Max"] == 1
@@ -64,6 +64,33 @@ def test_static_rule_spares_norms_outside_the_residual_stream():
     assert record.stats["rms_rewritten"] == 0 and record.stats["not_at_risk"] == 1 and ops(ir)["Pow"] == 1
     _, record = rewrite(after_matmul, "fp16-safety{static=all}")
     assert record.stats["rms_rewritten"] == 1
+
+
+@pytest.mark.parametrize("body, kind", [(RMS, "rms_rewritten"), (LAYERNORM, "layernorm_rewritten")])
+def test_derived_rule_leaves_a_norm_of_unknown_range_and_says_why(body, kind):
+    """A float graph input has no static range: nothing proves an overflow, so nothing grows."""
+    ir, record = rewrite(model(body))
+    assert record.stats[kind] == 0 and not record.changed
+    assert any("range unknown (graph input 'x'" in n and "left as is" in n for n in record.notes), record.notes
+
+
+def test_derived_rule_spares_a_norm_after_a_bounded_op():
+    bounded = model("h = Tanh(x) \n" + LAYERNORM.replace("ReduceMean<axes=[-1]>(x)", "ReduceMean<axes=[-1]>(h)")
+                    .replace("Sub(x, mu)", "Sub(h, mu)"))
+    ir, record = rewrite(bounded, "fp16-safety{static=all}")
+    assert record.stats["layernorm_rewritten"] == 1
+    ir, record = rewrite(bounded)
+    assert record.stats["layernorm_rewritten"] == 0
+    assert any("derived max |v| <= 2 (from Tanh); square fits fp16" in n for n in record.notes), record.notes
+
+
+def test_derived_rule_rewrites_what_an_embedding_table_can_overflow(tmp_path):
+    """A token's embedding row holds 30,000: every norm of the residual stream can see it squared."""
+    feeds = fixture_inputs("llama_gqa_ts")
+    ir, record = rewrite(massive_llama(tmp_path / "massive.onnx"), inputs=feeds)
+    assert record.stats["rms_rewritten"] == 5 and ops(ir)["Pow"] == 0
+    assert any("derived max |v| <= 3e+04 (from table model.model.embed_tokens.weight)" in n
+               and "-> rewritten" in n for n in record.notes), record.notes
 
 
 def test_static_none_changes_nothing():
@@ -105,7 +132,7 @@ def test_llama_family_rewritten_losslessly(name):
 
 @pytest.mark.parametrize("name", ["bert_ts", "gpt2_dynamo"])
 def test_decomposed_layernorms_rewritten_losslessly(name):
-    spec = "decompose-layernorm{when=always,strategy=primitives,form=plain},fp16-safety"
+    spec = "decompose-layernorm{when=always,strategy=primitives,form=plain},fp16-safety{static=all}"
     ir, record = rewrite(fixture_path(name), spec, inputs=fixture_inputs(name))
     assert record.stats["layernorm_rewritten"] == 5
     comparison = compare_outputs(fixture_outputs(name), run_cpu(ir, fixture_inputs(name)))
@@ -142,7 +169,7 @@ def test_calibration_on_real_models(tmp_path):
 
 
 def test_static_rule_finds_every_llama_norm_in_the_residual_stream():
-    _, record = rewrite(fixture_path("llama_gqa_ts"), inputs=fixture_inputs("llama_gqa_ts"))
+    _, record = rewrite(fixture_path("llama_gqa_ts"), "fp16-safety{static=residual}", inputs=fixture_inputs("llama_gqa_ts"))
     assert record.stats["rms_rewritten"] == 5
 
 
@@ -179,7 +206,7 @@ def test_safe_form_holds_every_row_regime_on_htp_where_fixed_prescaling_does_not
     x[0, 2] *= 0.01
     x[0, 3] = 0.0
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
-    safe, _ = rewrite(model(RMS))
+    safe, _ = rewrite(model(RMS), "fp16-safety{static=all}")
     prescaled = model("k = Constant<value=float {0.00390625}>() \n xs = Mul(x, k) \n p = Mul(xs, xs) \n"
                       "m = ReduceMean<axes=[-1]>(p) \n e = Constant<value=float {1.5e-11}>() \n a = Add(m, e) \n"
                       "s = Sqrt(a) \n y = Div(xs, s)")

@@ -11,16 +11,22 @@ Matches, after the fusions have run:
   max subtraction (``Exp`` overflows fp16 for z > 11) -- and the same with ``z = x -
   ReduceMax(x)``: replaced by ``Softmax(x, axis)``, which the HTP runs natively and stably.
 
-Risk comes from calibration data when given (``ctx.calibration``: max |v| per candidate,
-measured on onnxruntime CPU; at risk above ``threshold`` or when every value squares to a
-subnormal), else from a static rule (``static``: "residual" = inputs in the residual stream,
-"all", "none").  Native ``RMSNormalization``/``LayerNormalization`` are left alone:
+The rewrite costs ~10 ops per normalization, so it is applied only where the square can
+actually overflow, and every decision is explained in the pass's notes.  Risk comes from
+calibration data when given (``ctx.calibration``: max |v| per candidate, measured on
+onnxruntime CPU; at risk above ``threshold`` or when every value squares to a subnormal),
+else from ``static``: "derived" (default) rewrites where a value-range analysis
+(``_ranges``: embedding tables, bounded ops, weight norms) cannot rule out |v| > 255.9, and
+leaves alone norms whose range is unknown (computed from a float graph input) or proven
+small; "residual" presumes every norm of the residual stream at risk; "all"; "none".
+Native ``RMSNormalization``/``LayerNormalization`` are left alone:
 measured on the HTP in fp16 they stay within fp16 rounding for |x| = 30,000.  Additive
 attention masks (-3.4e38) belong to ``attention-cleanup``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from qnnpasses.passes.norm._graph import (
@@ -30,6 +36,7 @@ from qnnpasses.passes.norm._graph import (
     set_like,
 )
 from qnnpasses.passes.norm._match import NormMatch, find_norms
+from qnnpasses.passes.norm._ranges import Bound, RangeAnalysis, square_can_overflow
 from qnnpasses.passes.norm._risk import (
     calibration_samples,
     in_residual_stream,
@@ -53,6 +60,7 @@ from qnnpasses.passmanager.rewrite import (
     make_node,
     producer_op,
     replace_all_uses,
+    static_shape,
 )
 
 
@@ -68,12 +76,12 @@ class FP16Safety(Pass):
     class Options:
         threshold: float = field(default=64.0, metadata={"help": "calibrated max |v| above which a square is at risk (256 overflows)"})
         underflow: float = field(default=2.0**-7, metadata={"help": "calibrated max |v| below which every square is subnormal"})
-        static: str = field(default="residual", metadata={"help": "without calibration: residual | all | none"})
+        static: str = field(default="derived", metadata={"help": "without calibration: derived | residual | all | none"})
         max_samples: int = field(default=8, metadata={"help": "calibration samples to run"})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
-        if self.options.static not in ("residual", "all", "none"):
-            raise ValueError(f"fp16-safety: static must be residual, all or none (got {self.options.static!r})")
+        if self.options.static not in ("derived", "residual", "all", "none"):
+            raise ValueError(f"fp16-safety: static must be derived, residual, all or none (got {self.options.static!r})")
         matches, reasons = find_norms(ir.graph)
         notes = list(reasons) if ctx.verbose else []
         at_risk, why = self._at_risk(ir, ctx, matches)
@@ -97,13 +105,46 @@ class FP16Safety(Pass):
             ranges = max_abs_values(ir, [m.v.name for m in matches], samples)
             risky = [m for m in matches if out_of_fp16_square_range(
                 ranges.get(m.v.name, float("inf")), self.options.threshold, self.options.underflow)]
-            return risky, [f"{m.v.name}: calibrated max |v| = {ranges.get(m.v.name, float('nan')):.4g}" for m in matches]
+            return risky, [f"{m.v.name}: calibrated max |v| = {ranges.get(m.v.name, float('nan')):.4g}"
+                           + (" -> rewritten" if m in risky else " -> left as is") for m in matches]
+        if self.options.static == "derived":
+            return _derived_risk(ir, matches)
         if self.options.static == "all":
             return matches, []
         if self.options.static == "none":
             return [], []
         risky = [m for m in matches if in_residual_stream(m.x)]
         return risky, [f"{m.x.name}: not in the residual stream, left as is" for m in matches if m not in risky]
+
+
+def _derived_risk(ir: IRModel, matches: list[NormMatch]) -> tuple[list[NormMatch], list[str]]:
+    """Norms whose squared operand has a derived bound above sqrt(65504), and why each decision."""
+    if not matches:
+        return [], []
+    ranges = RangeAnalysis(ir.graph)
+    for m in matches:  # |v| / sqrt(mean(v^2) + eps) <= sqrt(N): each norm bounds what follows it
+        n = _reduced_size(m)
+        ranges.assume(m.normalized, Bound(math.sqrt(n), f"a normalization over {n} values") if n else
+                      Bound(None, f"normalization {m.normalized.name} of unknown size"))
+    risky, notes = [], []
+    for m in matches:
+        bound = ranges.bound(m.v)
+        if not bound.known:
+            notes.append(f"{m.v.name}: range unknown ({bound.why}) -> left as is; calibration data would measure it")
+        elif square_can_overflow(bound.value):
+            risky.append(m)
+            notes.append(f"{m.v.name}: derived max |v| <= {bound.value:.4g} (from {bound.why}); its square can "
+                         f"overflow fp16 (> 65504) -> rewritten")
+        else:
+            notes.append(f"{m.v.name}: derived max |v| <= {bound.value:.4g} (from {bound.why}); square fits fp16 -> left as is")
+    return risky, notes
+
+
+def _reduced_size(m: NormMatch) -> int | None:
+    shape = static_shape(m.v)
+    if shape is None:
+        return None
+    return math.prod(shape[a] for a in m.axes)
 
 
 def _fuse_softmaxes(ir: IRModel, ctx: PassContext) -> int:

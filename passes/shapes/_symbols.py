@@ -26,6 +26,10 @@ from qnnpasses.ir.shapes import (
     resolve_dim,
 )
 
+#: Dim names that mean "unknown", not a symbol shared with other tensors (paddle2onnx writes "?"
+#: for every dim it cannot name: binding it would give one value to unrelated dims).
+ANONYMOUS_DIMS = frozenset({"?", "-1"})
+
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
@@ -53,6 +57,8 @@ class SymbolTable:
         if is_static(dim):
             return int(dim)
         name = str(dim or "").strip()
+        if name in ANONYMOUS_DIMS:
+            return resolve_dim(None, input_name, index, batch=self.batch, sequence=self.sequence, past=self.past)
         if name in self.values:
             return self.values[name]
         evaluated = self._evaluate(name) if name else None
@@ -67,7 +73,7 @@ class SymbolTable:
         if is_static(dim):
             return int(dim)
         name = str(dim or "").strip()
-        if not name:
+        if not name or name in ANONYMOUS_DIMS:
             return None
         return self.values[name] if name in self.values else self._evaluate(name, defaults=False)
 
@@ -114,7 +120,7 @@ def bind_requested(table: SymbolTable, inputs: dict[str, gs.Variable], requested
         for index, (have, want) in enumerate(zip(declared, dims)):
             if is_static(have) and have != want:
                 raise ShapeBindingError(f"input '{name}' dim {index} is {have}, the requested shape says {want}")
-            if not is_static(have) and have:
+            if not is_static(have) and have and str(have).strip() not in ANONYMOUS_DIMS:
                 table.bind(str(have).strip(), int(want), f"input '{name}'")
 
 
