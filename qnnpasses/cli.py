@@ -13,9 +13,22 @@ import sys
 
 from qnnpasses.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, QnnPassesError
 
-# Order is the order of `qnnpasses --help`.
+# The order of `qnnpasses --help`; any other module in qnnpasses/commands is listed after these.
 COMMANDS = ("run", "passes", "pipelines", "check", "lint", "diagnose", "analyze", "compare", "partition", "convert",
             "compile", "quantize", "sweep", "llm", "generate")
+#: Modules of qnnpasses/commands that are helpers, not commands.
+HELPERS = ("common",)
+
+
+def command_names() -> list[str]:
+    """Every command module: the ordered ones first, then the rest alphabetically."""
+    import pkgutil
+
+    import qnnpasses.commands as package
+
+    found = {m.name for m in pkgutil.iter_modules(package.__path__)
+             if not m.name.startswith("_") and m.name not in HELPERS}
+    return [n for n in COMMANDS if n in found] + sorted(found - set(COMMANDS))
 
 EPILOG = """typical session:
   qnnpasses check model.onnx                 what would run on the HTP, and why not
@@ -51,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qnnpasses {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                                        parser_class=_ArgumentParser)
-    for name in COMMANDS:
+    for name in command_names():
         try:
             module = importlib.import_module(f"qnnpasses.commands.{name}")
         except Exception as exc:  # noqa: BLE001 - a broken command is reported, never silently dropped

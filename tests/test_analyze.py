@@ -234,7 +234,7 @@ def test_cli_json_has_the_documented_keys(capsys):
 def test_cli_text_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "mem.png"
-    code, out, _ = _cli(capsys, "analyze", fixture_path("llama_gqa_ts"), "--plot", png, "--top", "3")
+    code, out, _ = _cli(capsys, "analyze", fixture_path("llama_gqa_ts"), "--picture", png, "--top", "3")
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "arena with reuse" in out and "kv cache" in out and "/model/lm_head/MatMul" in out
 
@@ -243,7 +243,7 @@ def test_cli_text_and_plot(tmp_path, capsys):
     (["--context", "0"], "--context must be a positive"),
     (["--top", "0"], "--top must be positive"),
     (["--shape", "nope=1,2"], "unknown inputs"),
-    (["--plot", "out.txt"], "writes a PNG"),
+    (["--picture", "out.txt"], "writes a .png or .svg file"),
 ])
 def test_cli_bad_arguments_give_one_line_and_exit_2(tmp_path, capsys, argv, message):
     argv = [a if a != "out.txt" else tmp_path / a for a in argv]
@@ -253,7 +253,7 @@ def test_cli_bad_arguments_give_one_line_and_exit_2(tmp_path, capsys, argv, mess
 
 def test_cli_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    code, _, err = _cli(capsys, "analyze", fixture_path("llama_gqa_ts"), "--plot", tmp_path / "m.png")
+    code, _, err = _cli(capsys, "analyze", fixture_path("llama_gqa_ts"), "--picture", tmp_path / "m.png")
     assert code == 2 and "needs matplotlib" in err and len(err.strip().splitlines()) == 1
 
 

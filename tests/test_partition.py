@@ -220,6 +220,8 @@ def test_cli_writes_plan_models_and_picture(bert_simplified, tmp_path, capsys):
         assert all(key in p for p in plan["partitions"])
     assert plan["check"]["ok"] and all((out / p["file"]).exists() for p in plan["partitions"])
     svg = (out / "partitions.svg").read_text()
-    # detailed picture: one box per placed node, coloured per partition
-    assert svg.count("<rect x=") >= sum(len(p["nodes"]) for p in plan["partitions"])
+    # one block per partition in execution order, labelled with its backend and node count
+    for p in plan["partitions"]:
+        assert f"#{p['id']} {p['backend'].upper()}: {len(p['nodes'])} nodes" in svg
+    assert (out / "partitions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli_main(["partition", str(bert_simplified), "-o", str(out), "--max-part-bytes", "lots"]) == 2

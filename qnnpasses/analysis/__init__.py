@@ -8,7 +8,7 @@ shapes and graph structure.  Each section's module states its definitions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,8 @@ class MemoryTrace:
     live: np.ndarray            # bytes live at each step (freed after last use)
     allocated: np.ndarray       # bytes allocated so far when nothing is ever freed (no reuse)
     arena: int                  # arena of the reuse plan
+    layers: list[str] = field(default_factory=list)  # the layer of the node run at each step
+    nodes: list[str] = field(default_factory=list)   # the node run at each step
 
 
 def run_analysis(ir: IRModel, context: int | None = None, *, top: int = 10, ridge: float = DEFAULT_RIDGE,
@@ -68,4 +70,6 @@ def _trace(view: GraphView, best: dict, schedule: str) -> MemoryTrace:
     allocated = np.zeros(life.steps, dtype=np.int64)
     if life.steps:
         np.add.at(allocated, life.first, life.sizes)
-    return MemoryTrace(schedule, best["profile"], np.cumsum(allocated), best["arena"])
+    order = best.get("order") or []
+    return MemoryTrace(schedule, best["profile"], np.cumsum(allocated), best["arena"],
+                       [str(view.layers[i]) for i in order], [view.nodes[i].name for i in order])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from qnnpasses.commands.common import add_deprecated, add_format_arg, add_on_arg, add_shape_arg, load_shaped, shaped_path
+from qnnpasses.commands.common import add_deprecated, add_format_arg, add_on_arg, add_shape_arg, inputs_static, load_shaped, shaped_path
 from qnnpasses.errors import BackendUnavailableError, BadInputError
 from qnnpasses.wording import explain
 
@@ -35,7 +35,7 @@ def main(args) -> int:
 
     ir = load_shaped(args)
     results = check_graph(ir.graph, args.backend)
-    static = is_static_inputs(ir)
+    static = inputs_static(ir)
     report: dict[str, Any] = {
         "nodes": [{"name": r.name, "op_type": r.op_type, "supported": r.supported,
                    "reasons": [explain(x, r.name, static_inputs=static) for x in r.reasons],
@@ -52,13 +52,6 @@ def main(args) -> int:
     else:
         print(render_text(args.model, report))
     return 0
-
-
-def is_static_inputs(ir) -> bool:
-    from qnnpasses.ir.shapes import symbolic_dims
-
-    inputs = {t.name for t in ir.graph.inputs}
-    return not any(name in inputs for name in symbolic_dims(ir.graph))
 
 
 def cause(ir, verdict) -> str | None:
@@ -82,7 +75,7 @@ def _after_folding(ir, backend: str) -> dict[str, int]:
     from qnnpasses.passmanager.spec import parse_pipeline
 
     folded = ir.copy()
-    PassManager(parse_pipeline("simplify{use_onnxsim=false}"), context=PassContext()).run(folded)
+    PassManager(parse_pipeline("simplify"), context=PassContext()).run(folded)
     results = check_graph(folded.graph, backend)
     return {"nodes": len(results), "unsupported": sum(not r.supported for r in results)}
 

@@ -131,3 +131,12 @@ def shaped_path(args, path: str | None = None) -> Iterator[str]:
         out = Path(tmp) / Path(path).name
         save_model(ir, out)
         yield str(out)
+
+
+def inputs_static(ir) -> bool:
+    """True when no graph input has a symbolic dimension (then a dynamic shape inside the
+    graph comes from shape arithmetic, not from the inputs)."""
+    from qnnpasses.ir.shapes import symbolic_dims
+
+    inputs = {t.name for t in ir.graph.inputs}
+    return not any(name in inputs for name in symbolic_dims(ir.graph))

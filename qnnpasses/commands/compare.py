@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from qnnpasses.analysis.text import table
+from qnnpasses.commands.common import add_format_arg, add_shape_arg, load_shaped
 from qnnpasses.debug.compare import TOLERANCES, bisect, compare_models
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.passmanager.report import json_safe
@@ -13,14 +14,18 @@ from qnnpasses.passmanager.report import json_safe
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "compare", help="compare a model's outputs with a reference model's; --bisect finds the first bad node")
+        "compare", help="compare a model's outputs with a reference model's; --bisect finds the first bad node",
+        description="Run the reference A on the CPU (fp32) and B on the CPU or the HTP with the same inputs, "
+                    "and compare every output.  When they disagree, --bisect compares the intermediate "
+                    "tensors layer by layer and names the first node that goes wrong.")
     parser.add_argument("a", metavar="A.onnx", help="reference model (runs on onnxruntime CPU, fp32)")
     parser.add_argument("b", metavar="B.onnx", help="model under test")
     parser.add_argument("--inputs", metavar="X.npz", help="inputs (default: seeded random inputs for A)")
     parser.add_argument("--on", choices=("cpu", "htp"), default="cpu",
                         help="where B runs: onnxruntime CPU, or the QNN HTP (fp16; integer for QDQ models)")
     parser.add_argument("--bisect", action="store_true",
-                        help="compare intermediate tensors layer by layer and name the first bad node")
+                        help="when the outputs disagree, compare intermediate tensors layer by layer and name "
+                             "the first bad node")
     parser.add_argument("--map", metavar="FILE.json",
                         help='extra tensor name mapping {"A name": "B name"} for --bisect')
     cpu, htp = TOLERANCES["cpu"], TOLERANCES["htp"]
@@ -31,7 +36,8 @@ def register(subparsers) -> None:
     parser.add_argument("--min-cosine", type=float, default=None,
                         help=f"minimum cosine similarity (default {cpu[2]} on cpu, {htp[2]} on htp)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    add_shape_arg(parser)
+    add_format_arg(parser)
     parser.add_argument("--strict", action="store_true", help="exit 1 when an output is beyond tolerance")
     parser.set_defaults(func=main)
 
@@ -56,11 +62,14 @@ def main(args) -> int:
     if args.map and not args.bisect:
         raise BadInputError("--map is used by --bisect only")
     options = {"on": args.on, "atol": args.atol, "rtol": args.rtol, "min_cosine": args.min_cosine, "seed": args.seed}
+    a, b = args.a, args.b
+    if args.shape:  # both models get the same static input shapes
+        a, b = load_shaped(args, args.a), load_shaped(args, args.b)
     if args.bisect:
-        result = bisect(args.a, args.b, args.inputs, mapping=_load_map(args.map), **options)
+        result = bisect(a, b, args.inputs, mapping=_load_map(args.map), **options)
         report, outputs = result.as_dict(), result.outputs
     else:
-        report = outputs = compare_models(args.a, args.b, args.inputs, **options)
+        report = outputs = compare_models(a, b, args.inputs, **options)
     if args.format == "json":
         print(json.dumps(json_safe(report), indent=2))
     else:
@@ -89,6 +98,9 @@ def render(a: str, b: str, outputs: dict, bisected: dict | None) -> str:
             for o in outputs["outputs"]]
     lines += table(["output", "max abs", "cosine", "top-1", "status"], rows)
     if bisected is None:
+        return "\n".join(lines)
+    if bisected.get("skipped"):
+        lines.append(f"bisect: not needed, {bisected['skipped']}")
         return "\n".join(lines)
     lines += ["", f"bisect: {len(bisected['compared'])} intermediate tensors compared"]
     rows = [[r["layer"], str(r["tensors"]), r["first_divergent"] or "(all agree)", _fmt(r["max_abs"]),

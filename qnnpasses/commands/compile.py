@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import json
 
+from qnnpasses.commands.common import add_format_arg, add_on_arg, add_shape_arg, load_shaped, shaped_path
 from qnnpasses.errors import BackendUnavailableError, BadInputError, CheckFailedError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("compile", help="compile to an EPContext model (HTP context binary) and verify it")
+    p = subparsers.add_parser(
+        "compile", help="compile for the HTP into a ready-to-load model (EPContext) and check its outputs",
+        description="Compile the model for the HTP into an EPContext model (the HTP context binary inside, or "
+                    "beside it above 2 GB), load it in a fresh process and compare its outputs with the "
+                    "original's on the CPU.")
     p.add_argument("model", help="ONNX model (never modified)")
+    add_on_arg(p, ("htp",), "htp", "the backend to compile for (the HTP)")
     p.add_argument("-o", "--output", required=True, metavar="OUT_ctx.onnx", help="EPContext model to write")
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--fp16", dest="mode", action="store_const", const="fp16", help="float model in fp16 (default)")
@@ -26,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--inputs", metavar="X.npz", help="inputs for the check (default: seeded random inputs)")
     p.add_argument("--calib", metavar="DATA", help="--qdq calibration samples (.npz, folder of .npz, input_list.txt)")
     p.add_argument("--no-timing", action="store_true", help="skip the load-time comparison")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    add_shape_arg(p)
+    add_format_arg(p)
     p.set_defaults(func=main, mode="fp16")
 
 
@@ -34,7 +41,6 @@ def main(args) -> int:
     from qnnpasses.backends.cpu import check_inputs, load_inputs
     from qnnpasses.backends.htp import htp_available
     from qnnpasses.handoff.compile import compile_and_verify
-    from qnnpasses.ir.load import load_model
 
     if not htp_available():
         raise BackendUnavailableError("compile needs onnxruntime-qnn with a working QNN HTP backend")
@@ -42,7 +48,7 @@ def main(args) -> int:
         raise BadInputError("-o must name an .onnx file")
     inputs = calibration = None
     if args.inputs or args.calib:
-        ir = load_model(args.model)
+        ir = load_shaped(args)
         if args.inputs:
             inputs = load_inputs(args.inputs)
             check_inputs(ir, inputs)
@@ -51,8 +57,10 @@ def main(args) -> int:
 
             calibration = load_calibration(args.calib, input_specs(ir))
     embed = {"auto": None, "yes": True, "no": False}[args.embed]
-    report = compile_and_verify(args.model, args.output, mode=args.mode, embed=embed, inputs=inputs,
-                                calibration=calibration, measure=not args.no_timing)
+    with shaped_path(args) as path:
+        report = compile_and_verify(path, args.output, mode=args.mode, embed=embed, inputs=inputs,
+                                    calibration=calibration, measure=not args.no_timing)
+    report["model"] = args.model
     print(json.dumps(report, indent=2, default=str) if args.format == "json" else render_text(report))
     if not report.get("compile", {}).get("ok"):
         raise CheckFailedError(f"compile failed: {report['compile'].get('error')}")
@@ -68,6 +76,9 @@ def render_text(report: dict) -> str:
     head = (f"{report['output']}: {c.get('epcontext_nodes', 0)} EPContext node(s), {c.get('other_nodes', 0)} other "
             f"node(s) ({report['mode']}, context binary {where})")
     lines = [head]
+    if report.get("calibration_samples"):
+        lines.append(f"  quantized (QDQ) with {report['calibration_samples']} calibration sample(s) from "
+                     f"{report['calibrated_on']}")
     if c.get("other_op_types"):
         lines.append(f"  not compiled for the HTP (CPU): {', '.join(c['other_op_types'])}")
     for name, d in report.get("accuracy", {}).items():

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import json
 
+from qnnpasses.commands.common import add_deprecated, add_format_arg
 from qnnpasses.errors import BadInputError, CheckFailedError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("convert", help="write a qnn-onnx-converter package (input list, raw files, convert.sh)")
+    p = subparsers.add_parser(
+        "convert", help="write a package for Qualcomm's qnn-onnx-converter (input list, raw files, convert.sh)",
+        description="Write everything Qualcomm's QNN SDK tools need to convert the model (the model, "
+                    "input_list.txt with raw calibration files, quantization overrides, convert.sh) and run "
+                    "them when an SDK is found.")
     p.add_argument("model", help="ONNX model (never modified)")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="package folder")
+    p.add_argument("--out-dir", metavar="DIR", help="folder to write the package into")
+    add_deprecated(p, "-o", "out_dir", "--out-dir VALUE")
+    add_deprecated(p, "--output", "out_dir", "--out-dir VALUE")
     p.add_argument("--calib", metavar="DATA", help="calibration samples: X.npz, a folder of .npz, or an input_list.txt")
     p.add_argument("--overrides", metavar="FILE", help="quantization overrides JSON to pass to the converter")
     p.add_argument("--sdk", metavar="DIR", help="QNN SDK root (default $QNN_SDK_ROOT); the tools run when found")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    add_format_arg(p)
     p.set_defaults(func=main)
 
 
@@ -29,13 +36,15 @@ def main(args) -> int:
     from qnnpasses.handoff.package import write_package
     from qnnpasses.handoff.sdk import find_sdk
 
+    if not args.out_dir:
+        raise BadInputError("convert needs --out-dir DIR (the folder to write the package into)")
     if args.sdk and find_sdk(args.sdk) is None:
         raise BadInputError(f"--sdk {args.sdk}: no bin/x86_64-linux-clang/qnn-onnx-converter there")
-    report = write_package(args.model, args.output, calib=args.calib, overrides=args.overrides, sdk=args.sdk)
+    report = write_package(args.model, args.out_dir, calib=args.calib, overrides=args.overrides, sdk=args.sdk)
     print(json.dumps(report, indent=2) if args.format == "json" else render_text(report))
     failed = [s for s in report.get("steps", []) if s["returncode"] != 0]
     if failed:
-        raise CheckFailedError(f"{failed[0]['step']} failed (exit {failed[0]['returncode']}); see {args.output}/{failed[0]['log']}")
+        raise CheckFailedError(f"{failed[0]['step']} failed (exit {failed[0]['returncode']}); see {args.out_dir}/{failed[0]['log']}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """``qnnpasses partition``: split a model into HTP and CPU sub-models and prove the chain equal.
 
 Writes ``DIR/plan.json`` (partitions in execution order), one ONNX model per partition and
-``DIR/partitions.svg``.  ``--check`` runs the sub-models in order — HTP partitions on the
-real QNN HTP backend in fp16 when it is available (or on the CPU with ``--check-on cpu``)
+``DIR/partitions.png``/``.svg``.  ``--check`` runs the sub-models in order — HTP partitions on the
+real QNN HTP backend in fp16 when it is available (or on the CPU with ``--on cpu``)
 — and compares the outputs with the original model's on the CPU.
 """
 
@@ -12,8 +12,19 @@ import json
 import re
 from pathlib import Path
 
+from qnnpasses.commands.common import (
+    add_deprecated,
+    add_format_arg,
+    add_on_arg,
+    add_shape_arg,
+    inputs_static,
+    load_shaped,
+    shaped_path,
+)
 from qnnpasses.errors import BackendUnavailableError, BadInputError, CheckFailedError
-from qnnpasses.ir.load import load_model
+from qnnpasses.partition.picture import _span
+from qnnpasses.units import fmt_bytes, fmt_flops
+from qnnpasses.wording import explain
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -32,13 +43,22 @@ def _names(text: str | None) -> tuple[str, ...]:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("partition", help="split a model into HTP/CPU sub-models (plan.json + ONNX per partition)")
+    p = subparsers.add_parser(
+        "partition", help="split a model into HTP and CPU sub-models, with a plan and a picture",
+        description="Split a model into sub-models that run on the HTP and on the CPU, in execution order: "
+                    "DIR/plan.json, one ONNX model per partition and DIR/partitions.png/.svg.  --check runs the "
+                    "chain and compares it with the original.")
     p.add_argument("model", help="ONNX model (never modified)")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder")
-    p.add_argument("--backend", choices=("htp",), default="htp", help="accelerator backend (op-support table)")
+    p.add_argument("--out-dir", metavar="DIR", help="folder to write the plan, the sub-models and the picture into")
+    add_deprecated(p, "-o", "out_dir", "--out-dir VALUE")
+    add_deprecated(p, "--output", "out_dir", "--out-dir VALUE")
+    p.add_argument("--backend", choices=("htp",), default="htp", help="accelerator to partition for")
     p.add_argument("--max-part-bytes", default="2G", metavar="SIZE",
                    help="budget of weights + peak activations per HTP partition (default 2G; 0 = no limit)")
-    p.add_argument("--real", action="store_true", help="place nodes by the real QNN HTP backend's verdict, not the table")
+    p.add_argument("--placement", choices=("table", "htp"), default="table",
+                   help="who decides where each node goes: the measured op-support table (default), or the real "
+                        "HTP backend (loads the model once)")
+    add_deprecated(p, "--real", "placement", "--placement htp", value="htp")
     p.add_argument("--cpu-ops", metavar="OP,...", help="force these op types onto the CPU")
     p.add_argument("--cpu-nodes", metavar="NAME,...", help="force these nodes onto the CPU")
     p.add_argument("--keep-islands", action="store_true", help="keep small HTP islands on the HTP whatever they cost")
@@ -47,11 +67,13 @@ def register(subparsers) -> None:
     p.add_argument("--link-gbps", type=float, help="cost model: CPU<->HTP copy GB/s (default 10)")
     p.add_argument("--launch-us", type=float, help="cost model: fixed cost of one HTP graph run in us (default 10)")
     p.add_argument("--check", action="store_true", help="run the partitions in order and compare with the original")
-    p.add_argument("--check-on", choices=("htp", "cpu"), default="htp",
-                   help="where --check runs HTP partitions (htp falls back to cpu when the backend is missing)")
+    add_on_arg(p, ("htp", "cpu"), "htp", "where --check runs the HTP partitions (default htp; cpu when the "
+                                         "backend is missing)")
+    add_deprecated(p, "--check-on", "on", "--on VALUE")
     p.add_argument("--inputs", metavar="X.npz", help="inputs for --check (default: seeded random inputs)")
-    p.add_argument("--no-picture", action="store_true", help="do not draw partitions.svg")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    add_shape_arg(p)
+    p.add_argument("--no-picture", action="store_true", help="do not draw partitions.png/.svg")
+    add_format_arg(p)
     p.set_defaults(func=main)
 
 
@@ -86,11 +108,17 @@ def main(args) -> int:
     from qnnpasses.partition import make_plan, write_partitions
     from qnnpasses.partition.graph import build_node_graph
 
+    if not args.out_dir:
+        raise BadInputError("partition needs --out-dir DIR (the folder to write the partitions into)")
     options = _options(args)
-    ir = load_model(args.model)
+    ir = load_shaped(args)
     ng = build_node_graph(ir)
-    plan = make_plan(ir, options, placement=_placement(args.model) if args.real else None, node_graph=ng)
-    out = Path(args.output)
+    placement = None
+    if args.placement == "htp":
+        with shaped_path(args) as path:
+            placement = _placement(path)
+    plan = make_plan(ir, options, placement=placement, node_graph=ng)
+    out = Path(args.out_dir)
     write_partitions(ir, plan, out, node_graph=ng, picture=not args.no_picture)
     report = {"plan": str(out / "plan.json"), "counts": plan.counts()}
     check = None
@@ -99,35 +127,63 @@ def main(args) -> int:
 
         inputs = load_inputs(args.inputs) if args.inputs else make_inputs(ir)
         check_inputs(ir, inputs)
-        check = check_plan(plan, out, args.model, inputs, on=args.check_on)
+        with shaped_path(args) as path:
+            check = check_plan(plan, out, path, inputs, on=args.on)
         report["check"] = check.to_dict()
         data = json.loads((out / "plan.json").read_text())
         data["check"] = report["check"]
         (out / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
-    print(json.dumps(report, indent=2) if args.format == "json" else render_text(plan, out, check))
+    report["nodes"] = node_accounting(ir, plan)
+    print(json.dumps(report, indent=2) if args.format == "json" else render_text(plan, out, check, report["nodes"],
+                                                                                      static_inputs=inputs_static(ir)))
     if check is not None and not check.ok:
         raise CheckFailedError("the chained partitions do not reproduce the original outputs: "
                                + "; ".join(f"{k}: {v['reason']}" for k, v in check.outputs.items() if not v["ok"]))
     return 0
 
 
-def render_text(plan, out: Path, check) -> str:
+def node_accounting(ir, plan) -> dict:
+    """Where every node of the model went: into a partition, into the partitions as a constant
+    computation, or nowhere (it feeds no output)."""
+    from collections import Counter
+
+    placed = {n for p in plan.partitions for n in p.nodes}
+    constant = {n for p in plan.partitions for n in p.constant_nodes} - placed
+    nodes = list(ir.graph.nodes)
+    unused = [n for n in nodes if n.name not in placed and n.name not in constant]
+    ops = Counter(n.op for n in nodes if n.name in constant)
+    return {"total": len(nodes), "in_partitions": len(placed), "constant_only": len(constant),
+            "constant_only_ops": dict(ops.most_common()), "unused": [n.name for n in unused]}
+
+
+def render_text(plan, out: Path, check, nodes: dict | None = None, *, static_inputs: bool = False) -> str:
     counts = ", ".join(f"{n} {b.upper()}" for b, n in sorted(plan.counts().items()))
     lines = [f"{plan.model}: {counts} partition(s) (placement from the {plan.source}) -> {out / 'plan.json'}"]
+    if nodes:
+        text = f"  {nodes['total']} nodes: {nodes['in_partitions']} in partitions"
+        if nodes["constant_only"]:
+            ops = ", ".join(f"{op} x{c}" for op, c in list(nodes["constant_only_ops"].items())[:4])
+            text += (f", {nodes['constant_only']} compute only constants ({ops}{', ...' if len(nodes['constant_only_ops']) > 4 else ''})"
+                     " and are copied into the partitions that read them")
+        if nodes["unused"]:
+            text += f", {len(nodes['unused'])} feed no output and are dropped"
+        lines.append(text)
     for p in plan.partitions:
-        layers = ",".join(p.layers[:6]) + ("..." if len(p.layers) > 6 else "")
-        lines.append(f"  #{p.id} {p.backend.upper():3s} {len(p.nodes):5d} nodes  layers {layers:12s} "
-                     f"weights {p.weight_bytes / 1e6:9.2f} MB  {p.flops / 1e6:10.2f} MFLOP  "
-                     f"in {p.boundary_bytes['in'] / 1e3:8.1f} kB  out {p.boundary_bytes['out'] / 1e3:8.1f} kB  {p.file}")
+        lines.append(f"  #{p.id} {p.backend.upper()}: {len(p.nodes)} nodes, layers {_span(p.layers)}, "
+                     f"weights {fmt_bytes(p.weight_bytes)}, {fmt_flops(p.flops)}, in {fmt_bytes(p.boundary_bytes['in'])}"
+                     f", out {fmt_bytes(p.boundary_bytes['out'])} -> {p.file}")
         for op, why in list(p.cpu_reasons.items())[:3]:
-            lines.append(f"       {op}: {why[:140]}")
+            lines.append(f"      {op}: {explain(why, static_inputs=static_inputs)}")
     for island in plan.islands_moved_to_cpu:
         lines.append(f"  kept on CPU: {len(island['nodes'])}-node HTP island (saves {island['saving_us']} us, "
                      f"transfer costs {island['transfer_us']} us)")
     for split in plan.memory_splits:
-        lines.append(f"  memory budget {split['budget']} B: split into {split['pieces']} pieces "
-                     f"(~{', '.join(str(s) for s in split['estimated_bytes'])} B)")
+        lines.append(f"  memory budget {fmt_bytes(split['budget'])}: split into {split['pieces']} pieces "
+                     f"(~{', '.join(fmt_bytes(s) for s in split['estimated_bytes'])})")
     lines.extend(f"  note: {n}" for n in plan.notes)
+    pictures = plan.options.get("picture")
+    if pictures:
+        lines.append("  picture: " + ", ".join(str(out / name) for name in pictures))
     if check is not None:
         status = "OK" if check.ok else "FAILED"
         for name, o in check.outputs.items():

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from qnnpasses.analysis.text import table
-from qnnpasses.commands.common import parse_shape_args
+from qnnpasses.commands.common import add_shape_arg, parse_shape_args
 from qnnpasses.errors import BadInputError
 from qnnpasses.quant.policy import CATEGORIES, PrecisionPolicy
 
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     parser.add_argument("model", help="float ONNX model (the htp-llm pipeline runs first unless it already ran)")
     parser.add_argument("--calib", required=True, metavar="DATA",
                         help=".npz/.npy file, a folder of them, or input_list.txt with raw files")
-    parser.add_argument("-o", "--output", required=True, help="output QDQ model")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.onnx", help="output QDQ model")
     parser.add_argument("--act", choices=("uint8", "uint16"), default="uint16", help="activation width (default uint16)")
     parser.add_argument("--weights", choices=("int8", "uint8", "int16"), default="int8",
                         help="weight type of MatMul/Gemm (default int8, symmetric)")
@@ -38,19 +38,20 @@ def register(subparsers) -> None:
                         help=f"which categories count as sensitive (default {','.join(CATEGORIES)})")
     parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None,
                         help="quantize the KV cache (past/present tensors) at this width")
-    parser.add_argument("--calib-method", choices=("minmax", "percentile", "entropy"), default="minmax")
+    parser.add_argument("--calib-method", choices=("minmax", "percentile", "entropy"), default="minmax",
+                        help="how activation ranges are chosen from the calibration data (default minmax)")
     parser.add_argument("--overrides", metavar="FILE.json",
                         help="also write the plan as qnn-onnx-converter --quantization_overrides (AIMET encodings); "
                              "the float model it names is written next to OUTPUT as *.prepared.onnx")
-    parser.add_argument("--overrides-version", choices=("1.0.0", "0.6.1"), default="1.0.0")
+    parser.add_argument("--overrides-version", choices=("1.0.0", "0.6.1"), default="1.0.0",
+                        help="AIMET encodings format of --overrides (default 1.0.0; 0.6.1 for older QNN SDKs)")
     parser.add_argument("--evaluate", metavar="EVAL_DATA",
                         help="score the QDQ model on the real HTP against the fp32 model on CPU (disjoint from --calib)")
-    parser.add_argument("--eval-samples", type=int, default=None, help="evaluate at most this many samples")
+    parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC",
                         help="pipeline run first, by name or textual (default htp-llm; skipped when the model "
                              "records that a qnnpasses pipeline already ran)")
-    parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...",
-                        help="static input shape for the pipeline (repeatable)")
+    add_shape_arg(parser)
     parser.add_argument("--report", metavar="FILE.json", help="write what was done and measured as JSON")
     parser.set_defaults(func=main)
 
@@ -75,11 +76,12 @@ def main(args) -> int:
     result = quantize_model(args.model, args.calib, out, policy, shapes=parse_shape_args(args.shape),
                             keep_prepared=prepared, pipeline=args.pipeline)
     report = result.as_dict()
-    print(f"{args.model} -> {out} ({policy.label()}; {result.calibration_samples} calibration samples, "
-          f"{result.seconds:.1f}s)")
+    print(f"{args.model} -> {out} ({policy.label()}, {result.seconds:.1f} s)")
+    print(f"  calibrated on {result.calibration_samples} sample(s) from {args.calib} ({policy.calibrate_method})")
     plan = result.plan.summary()
-    print(f"plan: sensitive {plan['sensitive'] or 'none'}, per-channel weights {plan['per_channel_weights']}, "
-          f"KV tensors {plan['kv_tensors']}")
+    sensitive = ", ".join(f"{k} {v}" for k, v in (plan["sensitive"] or {}).items()) or "none"
+    print(f"  tensors kept at 16 bit: {sensitive}; per-channel weights: {plan['per_channel_weights']}; "
+          f"KV-cache tensors: {plan['kv_tensors']}")
     if args.overrides:
         from qnnpasses.quant.overrides import write_overrides
 

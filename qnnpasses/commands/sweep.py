@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qnnpasses.commands.common import add_deprecated
 from qnnpasses.errors import BadInputError
 
 SUMMARY = "quantize every cell of the precision grid, run each on the HTP and score it (markdown, JSON, PNG)"
@@ -19,10 +20,12 @@ def register(subparsers) -> None:
     parser.add_argument("--calib", required=True, metavar="DATA", help="calibration data (see qnnpasses quantize)")
     parser.add_argument("--eval", required=True, metavar="DATA", dest="eval_data",
                         help="evaluation data, disjoint from --calib")
-    parser.add_argument("-o", "--output", default="sweep", metavar="DIR", help="output folder (default ./sweep)")
+    parser.add_argument("--out-dir", default="sweep", metavar="DIR", help="folder for sweep.md/.json/.png (default ./sweep)")
+    add_deprecated(parser, "-o", "out_dir", "--out-dir VALUE")
+    add_deprecated(parser, "--output", "out_dir", "--out-dir VALUE")
     parser.add_argument("--weights", choices=("int8", "uint8"), default="int8", help="weight type of every cell")
     parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None, help="KV cache width in every cell")
-    parser.add_argument("--eval-samples", type=int, default=None, help="evaluate at most this many samples per cell")
+    parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples per cell")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC", help="pipeline run first (default htp-llm)")
     parser.add_argument("--keep-models", action="store_true", help="keep each cell's QDQ model in DIR/cells")
     parser.set_defaults(func=main)
@@ -52,11 +55,14 @@ def main(args) -> int:
         def progress(label: str, done: int, total: int) -> None:
             bar.update(task, description=f"cell {label}" if label != "done" else "done", completed=done, total=total)
 
-        result = run_sweep(args.model, args.calib, args.eval_data, args.output,
+        result = run_sweep(args.model, args.calib, args.eval_data, args.out_dir,
                            policies=policies, eval_limit=args.eval_samples,
                            keep_models=args.keep_models, progress=progress, pipeline=args.pipeline)
     print(markdown(result))
-    out = Path(args.output)
+    out = Path(args.out_dir)
     written = ", ".join(str(out / f) for f in ("sweep.md", "sweep.json", "sweep.png") if (out / f).exists())
     print(f"wrote {written}")
+    if not (out / "sweep.png").exists():
+        sys.stderr.write("qnnpasses: warning: sweep.png not drawn: matplotlib is not installed "
+                         "(pip install 'qnnpasses[plot]' or pip install matplotlib)\n")
     return 0

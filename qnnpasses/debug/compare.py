@@ -18,6 +18,13 @@ breaks the tolerance of :func:`qnnpasses.backends.cpu.compare_outputs`.  The *fi
 node* is the producer (in A) of the first divergent tensor in A's topological order:
 every compared input it reads still agrees, so the error starts there.  Mask sentinels
 (float32's lowest value, which fp16 saturates) are not counted as errors.
+
+Bisection only runs when the outputs disagree: with outputs within tolerance there is no
+bad node to find, and an intermediate that differs (an intended rewrite) is not a fault.
+An intermediate is judged by what it means downstream: values at or below
+:data:`MASK_FLOOR` in both models mean "masked" (an additive attention mask: after the
+softmax's max subtraction ``exp`` of them is 0 in fp32 and fp16 alike), so a -3.4e38 mask
+and a -1e4 mask agree.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ _QDQ = {"QuantizeLinear", "DequantizeLinear"}
 #: float32's lowest value); fp16 saturates them to ±65504 or ±inf, which is not an error.
 SENTINEL = float(np.finfo(np.float32).max) / 2
 _FP16_MAX = float(np.finfo(np.float16).max)
+#: At or below this an additive mask value removes its position from a softmax (exp(-1e4)
+#: underflows to 0 in fp16 and fp32): two such values mean the same.
+MASK_FLOOR = -1e4
 
 
 @dataclass
@@ -81,10 +91,12 @@ class BisectResult:
     unmapped_inputs: list[str] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
     tolerance: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None  # why no bisection ran (the outputs agree)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "outputs": self.outputs,
+            "skipped": self.skipped,
             "tolerance": self.tolerance,
             "first_bad_node": self.first_bad_node,
             "first_bad_op": self.first_bad_op,
@@ -167,6 +179,21 @@ def align_sentinels(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
         return got
     with np.errstate(invalid="ignore"):
         mask = (np.abs(ref) >= SENTINEL) & (np.sign(got) == np.sign(ref)) & (np.abs(got) >= _FP16_MAX)
+    if not mask.any():
+        return got
+    aligned = got.astype(ref.dtype, copy=True)
+    aligned[mask] = ref[mask]
+    return aligned
+
+
+def align_masks(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """``got`` with values that mask a softmax position in both models (<= MASK_FLOOR) set
+    equal to the reference's: -3.4e38 and -1e4 have the same effect downstream."""
+    ref, got = np.asarray(ref), np.asarray(got)
+    if ref.dtype.kind != "f" or got.dtype.kind != "f" or ref.shape != got.shape:
+        return got
+    with np.errstate(invalid="ignore"):
+        mask = (ref <= MASK_FLOOR) & (got <= MASK_FLOOR)
     if not mask.any():
         return got
     aligned = got.astype(ref.dtype, copy=True)
@@ -294,9 +321,13 @@ def bisect(a: ModelLike, b: ModelLike, inputs=None, on: str = "cpu", *, atol: fl
     ordered = _topological_pairs(a_ir, map_tensors(a_ir, b_ir, mapping))
     ref = run_model(with_outputs(a_ir, [p[0] for p in ordered]), feeds, "cpu")
     got = run_model(with_outputs(b_ir, [p[1] for p in ordered]), feeds, on)
+    outputs = output_report(a_ir, b_ir, on, ref, got, tol)
+    if outputs["ok"]:  # nothing to find: differences inside are intended or harmless
+        return BisectResult(outputs=outputs, compared=[], tolerance=tol,
+                            skipped="the outputs agree within tolerance, so there is no bad node to find")
     layers = node_layers(a_ir)
     diffs = _diff_pairs(a_ir, ordered, ref, got, tol, layers)
-    result = BisectResult(outputs=output_report(a_ir, b_ir, on, ref, got, tol), compared=diffs, tolerance=tol)
+    result = BisectResult(outputs=outputs, compared=diffs, tolerance=tol)
     result.layers = layer_table(diffs)
     bad = next((d for d in diffs if not d.ok), None)
     if bad is not None:
@@ -314,7 +345,8 @@ def _diff_pairs(a: IRModel, ordered, ref, got, tol, layers: list[str]) -> list[T
     """Figures per mapped pair; pairs whose shapes differ (a rewrite changed the layout) are skipped."""
     same = [(n, m, i) for n, m, i in ordered if m in got and np.shape(ref[n]) == np.shape(got[m])]
     comparison = compare_outputs({n: ref[n] for n, _, _ in same},
-                                 {n: align_sentinels(ref[n], got[m]) for n, m, _ in same}, **tol)
+                                 {n: align_masks(ref[n], align_sentinels(ref[n], got[m])) for n, m, _ in same},
+                                 **tol)
     return [TensorDiff(name, b_name, a.graph.nodes[index].name, layers[index], d.max_abs, d.cosine, d.ok, d.reason)
             for (name, b_name, index), d in zip(same, comparison.outputs)]
 

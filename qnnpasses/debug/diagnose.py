@@ -51,6 +51,7 @@ class Diagnosis:
     root_cause: list[str] = field(default_factory=list)     # the backend's own explanation
     named_by_backend: list[str] = field(default_factory=list)
     backend_errors: list[str] = field(default_factory=list)
+    cpu_nodes: list[str] = field(default_factory=list)      # nodes the EP left to the CPU (when it compiled)
     culprit: dict[str, str] | None = None  # the node whose presence makes it fail (last of the window)
     window: list[dict[str, str]] = field(default_factory=list)  # the smallest failing window, in order
     confirmed_by_backend: bool = False     # the backend's error lines name the culprit
@@ -181,6 +182,7 @@ def diagnose(model_path: str | Path, *, timeout: float = 120.0, lint: bool = Tru
     result = Diagnosis(str(model_path), ok=whole.ok, error=whole.error, backend_errors=whole.backend_errors,
                        root_cause=root_cause(whole.backend_errors))
     result.named_by_backend = named_nodes(whole.backend_errors)
+    result.cpu_nodes = list(whole.cpu_nodes)
     result.probes.append(Probe(-1, -1, not whole.ok, whole.error, whole.backend_errors, whole.seconds))
     if whole.ok:
         result.note = f"compiles and runs on the HTP ({whole.qnn_partitions} QNN partition(s), {len(whole.cpu_nodes)} CPU node(s))"

@@ -112,5 +112,5 @@ def write_partitions(ir: IRModel, plan: Plan, out_dir: str | Path, *, node_graph
     if picture:
         from qnnpasses.partition.picture import write_picture
 
-        plan.options["picture"] = write_picture(ng, plan, out / "partitions.svg").name
+        plan.options["picture"] = [p.name for p in write_picture(ng, plan, out / "partitions.svg")]
     return plan.write(out / "plan.json")

@@ -1,28 +1,26 @@
-"""A picture of the plan: the graph coloured by partition, written as plain SVG.
+"""A picture of the plan that answers "where does the model run?" at a glance.
 
-Small graphs (up to :data:`DETAILED_LIMIT` nodes) are drawn node by node: one row per
-depth of the DAG (longest path from the inputs), a box per node labelled with its op type
-and filled with its partition's colour (HTP partitions in blues/greens, CPU ones in
-oranges/reds), producer->consumer edges as lines.  Larger graphs are summarised per layer:
-one row per transformer layer, a bar split by how many of its nodes each partition holds.
-No plotting library is needed; any browser shows the file.
+One strip in execution order: every partition a block as wide as its share of the nodes,
+HTP partitions in blues/greens, CPU ones in oranges/reds, labelled with its number, backend
+and node count; under it the transformer layers the nodes belong to, so a CPU block reads
+as "layer 1's attention leaves the HTP".  The legend lists each partition with its layers,
+weights and work, and the title says how many nodes are only constant computations (copied
+into the partitions that read them).  Written as SVG (no plotting library needed) and, with
+matplotlib installed, as PNG.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from html import escape
 from pathlib import Path
 
-import networkx as nx
-
-from qnnpasses.analysis.graph import layer_sort_key
 from qnnpasses.partition.graph import NodeGraph
+from qnnpasses.units import fmt_bytes, fmt_flops
 
-DETAILED_LIMIT = 400
 _HTP_COLOURS = ["#4e79a7", "#59a14f", "#76b7b2", "#2f6690", "#8cd17d", "#499894", "#86bcb6", "#3a6ea5"]
 _CPU_COLOURS = ["#f28e2b", "#e15759", "#ff9d9a", "#d37295", "#b6992d", "#f1ce63"]
-_BOX_W, _BOX_H, _COL, _ROW = 86, 18, 96, 30
+_LAYER_GREYS = ["#d9d9d9", "#b3b3b3"]
+_WIDTH, _STRIP_X, _STRIP_W = 900, 90, 790
 
 
 def colours(plan) -> dict[int, str]:
@@ -35,76 +33,129 @@ def colours(plan) -> dict[int, str]:
     return result
 
 
-def write_picture(ng: NodeGraph, plan, path: Path) -> Path:
-    owner = {i: part.id for part in plan.partitions for i in part.indices}
-    colour = colours(plan)
-    body, width, height = (_detailed if len(owner) <= DETAILED_LIMIT else _per_layer)(ng, owner, colour)
-    legend, legend_h = _legend(plan, colour, width)
-    header = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + legend_h}" '
-              f'font-family="sans-serif" font-size="9">')
-    svg = [header, '<rect width="100%" height="100%" fill="white"/>',
-           *legend, f'<g transform="translate(0,{legend_h})">', *body, "</g>", "</svg>"]
-    path.write_text("\n".join(svg) + "\n")
-    return path
+def layout(ng: NodeGraph, plan) -> dict:
+    """The strip: blocks per partition and runs of layers, as fractions of the node count."""
+    order = [(part, i) for part in plan.partitions for i in sorted(part.indices)]
+    total = max(len(order), 1)
+    blocks, start = [], 0
+    for part in plan.partitions:
+        blocks.append((part, start / total, len(part.indices) / total))
+        start += len(part.indices)
+    layers: list[list] = []  # [label, start, width]
+    for position, (_, i) in enumerate(order):
+        label = str(ng.view.layers[i])
+        if layers and layers[-1][0] == label:
+            layers[-1][2] += 1 / total
+        else:
+            layers.append([label, position / total, 1 / total])
+    constant_only = len({n for part in plan.partitions for n in part.constant_nodes})
+    return {"blocks": blocks, "layers": layers, "placed": len(order), "constant_only": constant_only}
 
 
-def _legend(plan, colour: dict[int, str], width: int) -> tuple[list[str], int]:
-    title = f"{escape(Path(plan.model).name if plan.model else 'model')}: " + ", ".join(
-        f"{n} {b.upper()}" for b, n in sorted(plan.counts().items())) + f" partition(s) (from the {plan.source})"
-    items = [f'<text x="8" y="16" font-size="12" font-weight="bold">{title}</text>']
-    for row, part in enumerate(plan.partitions):
-        y = 26 + 14 * row
-        items.append(f'<rect x="8" y="{y}" width="12" height="10" fill="{colour[part.id]}"/>')
-        items.append(f'<text x="26" y="{y + 9}">#{part.id} {part.backend.upper()}: {len(part.nodes)} nodes, '
-                     f'layers {escape(_span(part.layers))}, {part.weight_bytes / 1e6:.2f} MB weights, '
-                     f'{part.flops / 1e6:.2f} MFLOP</text>')
-    return items, 34 + 14 * len(plan.partitions)
+def title(plan, data: dict) -> str:
+    name = Path(plan.model).name if plan.model else "model"
+    counts = " + ".join(f"{n} {b.upper()}" for b, n in sorted(plan.counts().items(), reverse=True))
+    text = f"{name}: {counts} partition(s), {data['placed']} nodes in execution order (placement from the {plan.source})"
+    if data["constant_only"]:
+        text += f"; {data['constant_only']} constant-only nodes are copied into the partitions that read them"
+    return text
+
+
+def legend_lines(plan) -> list[str]:
+    return [f"#{p.id} {p.backend.upper()}: {len(p.nodes)} nodes, layers {_span(p.layers)}, "
+            f"{fmt_bytes(p.weight_bytes)} weights, {fmt_flops(p.flops)}" for p in plan.partitions]
 
 
 def _span(layers: list[str]) -> str:
-    numbered = [int(x) for x in layers if x.isdigit()]
-    text = f"{min(numbered)}-{max(numbered)}" if numbered else ""
+    numbered = sorted(int(x) for x in layers if str(x).isdigit())
+    text = f"{numbered[0]}-{numbered[-1]}" if len(numbered) > 1 else (str(numbered[0]) if numbered else "")
     if len(numbered) != len(layers):
         text = f"{text} + other" if text else "other"
     return text
 
 
-def _detailed(ng: NodeGraph, owner: dict[int, int], colour: dict[int, str]):
-    depth: dict[int, int] = {}
-    for v in nx.topological_sort(ng.dag):
-        depth[v] = max((depth[u] + 1 for u in ng.dag.predecessors(v)), default=0)
-    rows: dict[int, list[int]] = defaultdict(list)
-    for v in sorted(depth):
-        rows[depth[v]].append(v)
-    pos = {v: (8 + _COL * col, 8 + _ROW * d) for d, vs in rows.items() for col, v in enumerate(vs)}
-    width = 16 + _COL * max((len(vs) for vs in rows.values()), default=1)
-    height = 16 + _ROW * (len(rows) or 1)
-    lines = [f'<line x1="{pos[u][0] + _BOX_W / 2}" y1="{pos[u][1] + _BOX_H}" x2="{pos[v][0] + _BOX_W / 2}" '
-             f'y2="{pos[v][1]}" stroke="#999" stroke-width="0.6"/>' for u, v in ng.dag.edges]
-    boxes = []
-    for v, (x, y) in pos.items():
-        node = ng.nodes[v]
-        boxes.append(f'<g><title>{escape(node.name)} (partition {owner.get(v)})</title>'
-                     f'<rect x="{x}" y="{y}" width="{_BOX_W}" height="{_BOX_H}" rx="3" fill="{colour.get(owner.get(v), "#ccc")}"/>'
-                     f'<text x="{x + 4}" y="{y + 12}" fill="white">{escape(node.op[:14])}</text></g>')
-    return lines + boxes, width, height
+def _layer_label(label: str) -> str:
+    return f"layer {label}" if label.isdigit() else label
 
 
-def _per_layer(ng: NodeGraph, owner: dict[int, int], colour: dict[int, str]):
-    per_layer: dict[str, Counter] = defaultdict(Counter)
-    for v, pid in owner.items():
-        per_layer[ng.view.layers[v]][pid] += 1
-    labels = sorted(per_layer, key=layer_sort_key)
-    bar_w, width = 600, 760
-    items = []
-    for row, label in enumerate(labels):
-        y = 8 + 18 * row
-        items.append(f'<text x="8" y="{y + 11}">layer {escape(label)}</text>')
-        total, x = sum(per_layer[label].values()), 90.0
-        for pid, count in sorted(per_layer[label].items()):
-            w = bar_w * count / total
-            items.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="14" fill="{colour[pid]}">'
-                         f'<title>partition {pid}: {count} nodes</title></rect>')
-            x += w
-        items.append(f'<text x="{92 + bar_w}" y="{y + 11}">{total} nodes</text>')
-    return items, width, 16 + 18 * len(labels)
+def write_picture(ng: NodeGraph, plan, path: Path) -> list[Path]:
+    """``path`` as SVG and, with matplotlib, the same picture as PNG beside it; the files written."""
+    data = layout(ng, plan)
+    written = [_write_svg(plan, data, path.with_suffix(".svg"))]
+    png = _write_png(plan, data, path.with_suffix(".png"))
+    if png is not None:
+        written.append(png)
+    return written
+
+
+def _write_svg(plan, data: dict, path: Path) -> Path:
+    colour = colours(plan)
+    legend = legend_lines(plan)
+    top = 40
+    items = [f'<text x="8" y="18" font-size="13" font-weight="bold">{escape(title(plan, data))}</text>',
+             f'<text x="8" y="{top + 24}" font-size="11">partitions</text>',
+             f'<text x="8" y="{top + 58}" font-size="11">layers</text>']
+    for part, start, width in data["blocks"]:
+        x, w = _STRIP_X + _STRIP_W * start, _STRIP_W * width
+        items.append(f'<rect x="{x:.1f}" y="{top + 8}" width="{max(w, 1):.1f}" height="26" fill="{colour[part.id]}" '
+                     f'stroke="white"><title>#{part.id} {part.backend.upper()}: {len(part.nodes)} nodes</title></rect>')
+        if w > 40:
+            items.append(f'<text x="{x + 4:.1f}" y="{top + 25}" fill="white" font-size="11">#{part.id} '
+                         f'{part.backend.upper()} {len(part.nodes)}</text>')
+    for row, (label, start, width) in enumerate(data["layers"]):
+        x, w = _STRIP_X + _STRIP_W * start, _STRIP_W * width
+        items.append(f'<rect x="{x:.1f}" y="{top + 44}" width="{max(w, 1):.1f}" height="20" '
+                     f'fill="{_LAYER_GREYS[row % 2]}"/>')
+        if w > 30:
+            items.append(f'<text x="{x + 3:.1f}" y="{top + 58}" font-size="10">{escape(_layer_label(label))}</text>')
+    for row, line in enumerate(legend):
+        y = top + 84 + 16 * row
+        part = plan.partitions[row]
+        items.append(f'<rect x="8" y="{y - 10}" width="12" height="12" fill="{colour[part.id]}"/>')
+        items.append(f'<text x="26" y="{y}" font-size="11">{escape(line)}</text>')
+    height = top + 84 + 16 * len(legend)
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" font-family="sans-serif">',
+           '<rect width="100%" height="100%" fill="white"/>', *items, "</svg>"]
+    path.write_text("\n".join(svg) + "\n")
+    return path
+
+
+def _write_png(plan, data: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colour = colours(plan)
+    legend = legend_lines(plan)
+    fig, ax = plt.subplots(figsize=(11, 2.2 + 0.28 * len(legend)))
+    try:
+        for part, start, width in data["blocks"]:
+            ax.broken_barh([(start, width)], (1.1, 0.8), facecolors=colour[part.id], edgecolor="white")
+            if width > 0.05:
+                ax.text(start + 0.005, 1.5, f"#{part.id} {part.backend.upper()} {len(part.nodes)}", va="center",
+                        color="white", fontsize=9, fontweight="bold")
+        for row, (label, start, width) in enumerate(data["layers"]):
+            ax.broken_barh([(start, width)], (0.1, 0.8), facecolors=_LAYER_GREYS[row % 2])
+            if width > 0.04:
+                ax.text(start + 0.004, 0.5, _layer_label(label), va="center", fontsize=8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 2)
+        ax.set_yticks([0.5, 1.5], ["layers", "partitions"])
+        ax.set_xticks([0, 0.25, 0.5, 0.75, 1], ["start", "", "execution order", "", "end"])
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+        ax.set_title(title(plan, data), fontsize=9, loc="left", wrap=True)
+        handles = [Patch(facecolor=colour[p.id], label=line) for p, line in zip(plan.partitions, legend)]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.25), frameon=False, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path
+
+
+__all__ = ["colours", "layout", "write_picture"]
