@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from qnnpasses.backends.cpu import ATOL, MIN_COSINE, RTOL, check_inputs, load_inputs
-from qnnpasses.commands.common import add_plugin_args, load_plugins, parse_shape_args
+from qnnpasses.commands.common import add_deprecated, add_plugin_args, load_plugins, parse_shape_args
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import save_model
@@ -15,11 +15,9 @@ from qnnpasses.passmanager.instruments import IRDumpInstrument, ProgressInstrume
 from qnnpasses.passmanager.manager import PassManager, RunConfig, RunResult
 from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.passmanager.report import (
-    TABLE_HEADER,
     build_report,
     model_snapshot,
     op_histogram,
-    pass_table_rows,
     write_report,
 )
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
@@ -28,11 +26,11 @@ from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 def register(subparsers) -> None:
     parser = subparsers.add_parser("run", help="run a pipeline of passes on a model")
     parser.add_argument("model", help="input ONNX model (never modified)")
-    parser.add_argument("-o", "--output", required=True, help="output ONNX model (written atomically)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.onnx", help="output ONNX model (written atomically)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--pipeline", default=None, help="a named pipeline (see `qnnpasses pipelines`); default htp-llm")
     which.add_argument("--passes", default=None, metavar="SPEC", help="a textual pipeline, e.g. 'fix-shapes{batch=1},simplify'")
-    parser.add_argument("--report-dir", help="write report.json and report.md here")
+    parser.add_argument("--report-dir", metavar="DIR", help="write report.json and report.md into this folder")
     parser.add_argument("--dump-ir", action="store_true", help="also write the canonical IR after each pass and per-pass diffs (needs --report-dir)")
     parser.add_argument("--verify", action="store_true", help="compare outputs before/after every pass on onnxruntime CPU; roll back passes that change them")
     parser.add_argument("--inputs", metavar="X.npz", help="inputs for --verify (default: seeded random inputs)")
@@ -46,8 +44,13 @@ def register(subparsers) -> None:
     parser.add_argument("--atol", type=float, default=ATOL, help=f"absolute tolerance of --verify (default {ATOL})")
     parser.add_argument("--rtol", type=float, default=RTOL, help=f"tolerance relative to max|output| (default {RTOL})")
     parser.add_argument("--min-cosine", type=float, default=MIN_COSINE, help=f"minimum cosine of --verify (default {MIN_COSINE})")
-    parser.add_argument("--emit", metavar="DIR", help="end with the QNN converter package (DIR/qnn_package) and "
-                        "the compiled HTP context model (DIR/model_ctx.onnx)")
+    parser.add_argument("--emit-dir", dest="emit", metavar="DIR", help="end with the QNN converter package "
+                        "(DIR/qnn_package) and the compiled HTP context model (DIR/model_ctx.onnx); without "
+                        "onnxruntime-qnn only the package is written, with a warning (exit 1 under --strict)")
+    add_deprecated(parser, "--emit", "emit", "--emit-dir VALUE")
+    parser.add_argument("--target-opset", type=int, metavar="N", help="never raise the model's opset above N "
+                        "(the newest your QNN SDK's converter accepts): fusions that need a newer op keep the "
+                        "older, fp16-safe form")
     parser.add_argument("--calib", metavar="DATA", help="calibration samples (.npz, folder of .npz, or "
                         "input_list.txt): for --emit, for passes that measure ranges, and the first few for --verify")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines and no table")
@@ -69,6 +72,8 @@ def main(args) -> int:
     shapes = parse_shape_args(args.shape)
     ir = load_model(args.model)
     _check_shape_names(ir, shapes)
+    if args.target_opset is not None and ir.opset > args.target_opset:
+        raise BadInputError(f"{args.model} already uses opset {ir.opset}, above --target-opset {args.target_opset}")
     inputs = None
     if args.inputs:
         inputs = load_inputs(args.inputs)
@@ -86,7 +91,8 @@ def main(args) -> int:
     config = RunConfig(verify=args.verify, strict=args.strict, allow_lossy=args.allow_lossy, inputs=inputs,
                        seed=args.seed, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
     manager = PassManager(pipeline, config, instruments, PassContext(allow_lossy=args.allow_lossy, shapes=shapes,
-                                                                          calibration=calibration))
+                                                                          calibration=calibration,
+                                                                          target_opset=args.target_opset))
     ops_before = op_histogram(ir)
     before = model_snapshot(ir) if args.report_dir else None
     try:
@@ -113,6 +119,7 @@ def main(args) -> int:
         from qnnpasses.handoff import emit
 
         report["emit"] = emit(args.output, args.emit, calib=args.calib)
+        _tell_emit(report["emit"], args)
     if args.report_dir:
         write_report(report, args.report_dir)
     if not args.quiet:
@@ -128,17 +135,24 @@ def _check_shape_names(ir, shapes: dict[str, list[int]]) -> None:
 
 
 def _print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from qnnpasses.passmanager.instruments import render_summary
 
-    table = Table(title=f"{report['input']} → {report['output']}: {report['nodes_before']} → {report['nodes_after']} nodes")
-    for column in TABLE_HEADER:
-        table.add_column(column, overflow="fold")
-    for row in pass_table_rows(report):
-        table.add_row(*row)
-    console = Console(file=sys.stdout, highlight=False, width=max(120, Console().width))
-    console.print(table)
-    final = report.get("final_verification")
-    if final:
-        console.print(f"end-to-end vs input on onnxruntime CPU: max abs {final['max_abs']:.3g}, cosine {final['cosine']:.8f}",
-                      markup=False)
+    print(render_summary(report))
+
+
+def _tell_emit(emitted: dict, args) -> None:
+    """What --emit-dir wrote; a missing backend is said out loud, a failed compile fails the run."""
+    package = emitted.get("package") or {}
+    print(f"converter package: {package.get('package', Path(args.emit) / 'qnn_package')}")
+    compiled = emitted.get("compile") or {}
+    if "skipped" in compiled:
+        message = (f"--emit-dir wrote only the converter package: {compiled['skipped']}, so there is no compiled "
+                   "context model (install onnxruntime-qnn)")
+        if args.strict:
+            raise CheckFailedError(message)
+        sys.stderr.write(f"qnnpasses: warning: {message}\n")
+    elif not compiled.get("ok"):
+        error = (compiled.get("compile") or {}).get("error") or "outputs off or it did not load"
+        raise CheckFailedError(f"--emit-dir: the HTP context model failed: {error}")
+    else:
+        print(f"HTP context model: {compiled['output']}")

@@ -10,6 +10,7 @@ from typing import Any
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.manager import RunResult
+from qnnpasses.units import fmt_bytes
 
 REPORT_VERSION = 1
 
@@ -105,6 +106,11 @@ TABLE_HEADER = ["#", "pass", "contract", "status", "nodes", "op delta", "stats",
 CONTRACT_SHORT = {"exact": "exact", "approximate": "approx", "assumes": "assumes", "changes-interface": "interface"}
 
 
+def _parts(partitions: dict[str, int]) -> str:
+    """``{'htp': 7, 'cpu': 11}`` -> ``HTP 7, CPU 11``."""
+    return ", ".join(f"{k.upper()} {v}" for k, v in partitions.items())
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# qnnpasses report",
@@ -131,11 +137,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "| | before | after |", "|---|---|---|"]
         for key, label in (("weights_bytes", "weight bytes"), ("activation_peak_bytes_reuse", "peak activations (reuse)"),
                            ("kv_cache_bytes_fp16", "KV cache (fp16)")):
-            lines.append(f"| {label} | {snapshots[0].get(key)} | {snapshots[1].get(key)} |")
+            lines.append(f"| {label} | {fmt_bytes(snapshots[0].get(key))} | {fmt_bytes(snapshots[1].get(key))} |")
         support = [s["support"] for s in snapshots]
         lines.append(f"| nodes the HTP table supports | {support[0]['supported']}/{support[0]['nodes']} | "
                      f"{support[1]['supported']}/{support[1]['nodes']} |")
-        lines.append(f"| predicted partitions | {support[0]['partitions']} | {support[1]['partitions']} |")
+        lines.append(f"| predicted partitions | {_parts(support[0]['partitions'])} | {_parts(support[1]['partitions'])} |")
     lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
     for row in pass_table_rows(report):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
