@@ -1,5 +1,5 @@
 """compile: a real HTP compile through the ONNX Runtime QNN EP into an EPContext model, checked
-against the original and timed against compiling from the ONNX graph."""
+against the original (the report also times loading it against compiling from the ONNX graph)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def test_compiled_context_runs_fully_on_htp_and_matches(name, tmp_path, capsys):
     assert report["accuracy"]["logits"]["cosine"] >= 0.999 and report["accuracy"]["logits"]["max_abs"] < 0.05
     # the context is the same prepared graph as a session built from the ONNX model: identical outputs
     assert report["context_vs_onnx_on_htp"]["logits"]["max_abs"] == 0.0
-    # loading the context skips graph preparation
-    assert report["load_from_context"]["session_seconds"] < report["load_from_onnx"]["session_seconds"]
+    # loading the context skips graph preparation (timed in the report, never asserted: no wall-clock tests)
     print(f"{name}: session from ONNX {report['load_from_onnx']['session_seconds']:.3f} s, "
           f"from EPContext {report['load_from_context']['session_seconds']:.3f} s")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import (
     can_replace,
     constant_value,
@@ -28,6 +28,9 @@ NEUTRAL = {"Add": (0.0, True), "Sub": (0.0, False), "Mul": (1.0, True), "Div": (
 class DropNeutralArithmetic(Pass):
     name = "drop-neutral-arith"
     summary = "Add(x,0) / Sub(x,0) / Mul(x,1) / Div(x,1) -> x"
+    contract = EXACT                    # IEEE x+0, x*1, ... are x: verified with the tight tolerance
+    requires = frozenset({FOLDED})      # after simplify: neutral constants are initializers by then
+    ensures = frozenset()
 
     @dataclass
     class Options:
