@@ -179,3 +179,66 @@ def test_cli_rejects_bad_options(capsys):
     assert "invalid choice: 'int4'" in capsys.readouterr().err
     code = cli(["quantize", str(fixture_path(LLAMA)), "--calib", "x.npz", "-o", "y.onnx", "--sensitive", "lmhead"])
     assert code == 2 and "unknown sensitive categories ['lmhead']" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- int4, weight scales, shared plans
+
+
+def _dq_weight_types(path) -> dict[str, tuple[int, int]]:
+    """Weight name -> (ONNX dtype, block_size) of every DequantizeLinear of an initializer."""
+    model = onnx.load(str(path))
+    inits = {i.name: i for i in model.graph.initializer}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits:
+            block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+            found[node.input[0].removesuffix("_quantized")] = (inits[node.input[0]].data_type, block)
+    return found
+
+
+def test_mse_scales_and_blocks_lower_the_weight_error():
+    from qnnpasses.quant.weights import quantize_weight
+
+    w = np.random.default_rng(0).standard_t(3, size=(256, 64)).astype(np.float32)  # heavy tails, like LLM weights
+    errors = {}
+    for label, mse, block in (("minmax", False, None), ("mse", True, None), ("mse-b32", True, 32)):
+        q, scale, axis, got_block, err = quantize_weight(w, 1, onnx.TensorProto.INT4, mse=mse, block_size=block)
+        assert q.min() >= -8 and q.max() <= 7 and got_block == (block or 0)
+        full = np.repeat(scale, block, axis=0) if block else scale
+        assert np.isclose(((w - q * full) ** 2).sum(), err, rtol=1e-6)  # the reported error is the real one
+        errors[label] = err
+    assert errors["mse"] < 0.9 * errors["minmax"] and errors["mse-b32"] < errors["mse"]
+
+
+def test_int4_plan_keeps_the_lm_head_at_8_bit(llama):
+    from qnnpasses.quant import precision_policy
+
+    tmp, calib, _ = llama
+    out = tmp / "w4.qdq.onnx"
+    result = quantize_model(fixture_path(LLAMA), calib, out, precision_policy("w4a16", outliers=""))
+    types = _dq_weight_types(out)
+    head = result.plan.weights_8bit
+    assert len(head) == 1 and types[head[0]][0] == onnx.TensorProto.INT8
+    int4 = [n for n, (t, _) in types.items() if t == onnx.TensorProto.INT4]
+    assert len(int4) >= 8  # every 2-D projection of both layers
+    assert result.weights["refined"] >= len(int4) and result.weights["mse_after_over_before"] < 1.0
+    with pytest.raises(Exception, match="power of two"):
+        PrecisionPolicy(weights="int4", block_size=24)
+
+
+def test_shared_plan_gives_shared_tensors_one_encoding(llama, tmp_path):
+    """Two graphs calibrated on different data: every tensor they share gets the union range."""
+    from qnnpasses.quant import quantize_graphs
+    from qnnpasses.quant.overrides import encodings_from_qdq
+
+    _, calib, evals = llama
+    outs = {"a": tmp_path / "a.qdq.onnx", "b": tmp_path / "b.qdq.onnx"}
+    result = quantize_graphs({"a": fixture_path(LLAMA), "b": fixture_path(LLAMA)}, {"a": calib, "b": evals}, outs,
+                             precision="w8a16")
+    assert "logits" in result.shared_tensors
+    enc = {k: {e.name: e for e in encodings_from_qdq(p)} for k, p in outs.items()}
+    common = [n for n in enc["a"] if n in enc["b"] and not enc["a"][n].param]
+    assert len(common) > 20
+    assert all(enc["a"][n].scale == enc["b"][n].scale and enc["a"][n].offset == enc["b"][n].offset for n in common)
+    rot = [r for r in result.results["a"].prep.records if r["pass"] == "rotate-residual"]
+    assert rot and rot[0]["status"] == "changed"

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from onnxruntime.quantization import CalibrationMethod, quantize
 from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
@@ -80,7 +81,15 @@ class QuantizeResult:
 
 
 def resolve_pipeline(pipeline: str) -> Pipeline:
-    """A named pipeline (``htp-llm``) or a textual one (``fix-shapes,simplify,...``)."""
+    """A named pipeline (``htp-llm``) or a textual one (``fix-shapes,simplify,...``).
+
+    ``htp-llm`` runs with ``layout{head_proj=false}`` here: head-major 4-D projection weights
+    can only be quantized per tensor on the HTP (see :mod:`qnnpasses.quant.policy`), which
+    int4 does not survive; 2-D projections get per-channel scales.
+    """
+    if pipeline == "htp-llm":
+        text = get_pipeline(pipeline).to_text()
+        return parse_pipeline(text.replace("(layout,", "(layout{head_proj=false},"))
     return get_pipeline(pipeline) if pipeline in named_pipelines() else parse_pipeline(pipeline)
 
 
@@ -114,13 +123,14 @@ def _brief(record) -> dict[str, Any]:
     return {"pass": record.name, "status": record.status, "stats": record.stats, "reason": record.reason}
 
 
-def qdq_config(prepared_path: Path, calib: CalibrationData, policy: PrecisionPolicy, plan: Plan):
+def qdq_config(prepared_path: Path, calib: CalibrationData, policy: PrecisionPolicy, plan: Plan,
+               limit: int | None = None):
     """onnxruntime's QNN static-quantization config for ``policy`` with ``plan``'s overrides."""
     method = CALIBRATION_METHODS.get(policy.calibrate_method)
     if method is None:
         raise BadInputError(f"unknown calibration method '{policy.calibrate_method}' ({', '.join(CALIBRATION_METHODS)})")
     config = get_qnn_qdq_config(
-        str(prepared_path), calib.reader(), calibrate_method=method, activation_type=policy.act_type,
+        str(prepared_path), calib.reader(limit), calibrate_method=method, activation_type=policy.act_type,
         weight_type=policy.weight_type, per_channel=False, init_overrides=plan.overrides or None,
         weight_symmetric=policy.weights.startswith("int"))
     config.extra_options["ForceQuantizeNoInputCheck"] = True
@@ -132,13 +142,16 @@ def qdq_config(prepared_path: Path, calib: CalibrationData, policy: PrecisionPol
 def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | str | os.PathLike,
                    output: str | os.PathLike, policy: PrecisionPolicy | None = None, *,
                    shapes: dict[str, list[int]] | None = None, keep_prepared: str | os.PathLike | None = None,
-                   run_prep: bool = True, pipeline: str = "htp-llm") -> QuantizeResult:
+                   run_prep: bool = True, pipeline: str = "htp-llm",
+                   ranges: dict[str, tuple[float, float]] | None = None) -> QuantizeResult:
     """Prepare, plan and quantize ``model`` into the QDQ model ``output`` (see the module docs).
 
     ``pipeline`` (a name or a textual pipeline) runs first unless the model says one already ran.
     ``run_prep=False`` skips the quantization-prep passes (``model`` went through them already,
     as in a sweep); ``keep_prepared`` writes the prepared float model there (the model the
-    converter overrides name).
+    converter overrides name).  ``ranges`` fixes the calibrated range of activation tensors
+    (``{name: (min, max)}``, see :func:`qnnpasses.quant.shared.quantize_graphs`); when it covers
+    the graph, calibration reads one sample only.
     """
     start = time.monotonic()
     policy = policy or PrecisionPolicy()
@@ -152,11 +165,15 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
     if policy.outliers:
         prep.records += outlier_rewrites(ir, policy.outliers, calib)
     plan = make_plan(ir, policy)
+    for name, (lo, hi) in (ranges or {}).items():
+        entry = plan.overrides.setdefault(name, [{}])[0]
+        if "axis" not in entry and "scale" not in entry:
+            entry.update(rmin=np.float32(lo), rmax=np.float32(hi))
     out = Path(output).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="qnnpasses-quant-") as tmp:
         prepared = save_model(ir, Path(keep_prepared).resolve() if keep_prepared else Path(tmp) / "prepared.onnx")
-        config = qdq_config(prepared, calib, policy, plan)
+        config = qdq_config(prepared, calib, policy, plan, limit=1 if ranges else None)
         from qnnpasses.progress import step
 
         step(f"calibrating on {len(calib)} sample(s) from {calib.source} ({policy.calibrate_method})")

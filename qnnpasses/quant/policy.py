@@ -52,7 +52,9 @@ CATEGORIES = ("embedding", "lm_head", "attention", "softmax", "norm")
 ACTIVATION_TYPES = {"uint8": QuantType.QUInt8, "uint16": QuantType.QUInt16, "int8": QuantType.QInt8,
                     "int16": QuantType.QInt16}
 WEIGHT_TYPES = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8, "int16": QuantType.QInt16,
-                "uint16": QuantType.QUInt16}
+                "uint16": QuantType.QUInt16, "int4": QuantType.QInt4}
+#: Weight scale search (:mod:`qnnpasses.quant.weights`): min/max, or the per-channel MSE-optimal clip.
+WEIGHT_SCALES = ("minmax", "mse")
 _SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 _SCORE_OPS = {"Add", "Mul", "Div", "Sub", "Where", "Reshape", "Transpose", "Cast"}
 _NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
@@ -72,12 +74,25 @@ class PrecisionPolicy:
     sensitive: tuple[str, ...] = CATEGORIES
     kv_bits: int | None = None
     calibrate_method: str = "minmax"
+    block_size: int | None = None
+    weight_scales: str = "minmax"
+    #: MatMul/Gemm nodes raised above the plan: 8-bit weights in an int4 plan, 16-bit outputs in an a8 one.
+    raised: tuple[str, ...] = ()
+    #: Outlier rewrites run on the prepared graph before planning (a textual pipeline, "" for none).
+    outliers: str = ""
 
     def __post_init__(self) -> None:
         if self.act not in ("uint8", "uint16"):
             raise BadInputError(f"--act must be uint8 or uint16 (got '{self.act}')")
-        if self.weights not in ("int8", "uint8", "int16"):
-            raise BadInputError(f"--weights must be int8, uint8 or int16 (got '{self.weights}')")
+        if self.weights not in ("int8", "uint8", "int16", "int4"):
+            raise BadInputError(f"--weights must be int4, int8, uint8 or int16 (got '{self.weights}')")
+        if self.block_size is not None and (self.block_size < 2 or self.block_size & (self.block_size - 1)):
+            raise BadInputError(f"--block-size must be a power of two >= 2 (got {self.block_size})")
+        if self.block_size is not None and not self.per_channel:
+            raise BadInputError("--block-size needs per-channel weights")
+        if self.weight_scales not in WEIGHT_SCALES:
+            raise BadInputError(f"--weight-scales must be one of {', '.join(WEIGHT_SCALES)} (got '{self.weight_scales}')")
+        self.raised = tuple(self.raised)
         unknown = set(self.sensitive) - set(CATEGORIES)
         if unknown:
             raise BadInputError(f"unknown sensitive categories {sorted(unknown)} (known: {', '.join(CATEGORIES)})")
@@ -92,7 +107,7 @@ class PrecisionPolicy:
 
     @property
     def weight_bits(self) -> int:
-        return 16 if self.weights.endswith("16") else 8
+        return int(self.weights.lstrip("uint"))
 
     def quantizer_args(self) -> dict[str, Any]:
         """The ``quantizer_args`` block of an AIMET encodings file for this policy."""
@@ -117,7 +132,10 @@ class PrecisionPolicy:
         """``w<weights>-<pc|pt> a<bits> s<bits>[ kv<bits>]``, e.g. ``wint8-pc a8 s16``."""
         sens = self.sensitive_bits or self.act_bits
         kv = f" kv{self.kv_bits}" if self.kv_bits else ""
-        return f"w{self.weights}-{'pc' if self.per_channel else 'pt'} a{self.act_bits} s{sens}{kv}"
+        gran = f"b{self.block_size}" if self.block_size else ("pc" if self.per_channel else "pt")
+        extra = (" mse" if self.weight_scales == "mse" else "") + (f" +{len(self.raised)}" if self.raised else "") \
+            + (" rot" if "rotate" in self.outliers else " smooth" if self.outliers else "")
+        return f"w{self.weights}-{gran} a{self.act_bits} s{sens}{kv}{extra}"
 
 
 @dataclass
@@ -128,12 +146,14 @@ class Plan:
     sensitive: dict[str, str] = field(default_factory=dict)  # tensor -> category
     per_channel: dict[str, int] = field(default_factory=dict)  # weight -> axis
     kv: list[str] = field(default_factory=list)
+    weights_8bit: list[str] = field(default_factory=list)  # int4 plans: lm_head and raised layers
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
         for category in self.sensitive.values():
             counts[category] = counts.get(category, 0) + 1
-        return {"sensitive": counts, "per_channel_weights": len(self.per_channel), "kv_tensors": len(self.kv)}
+        return {"sensitive": counts, "per_channel_weights": len(self.per_channel), "kv_tensors": len(self.kv),
+                "weights_8bit": len(self.weights_8bit)}
 
 
 # --------------------------------------------------------------------------- finding tensors
@@ -248,6 +268,19 @@ def norm_scales(graph: gs.Graph) -> list[str]:
     return [n.inputs[1].name for n in graph.nodes if n.op in _NORMS and len(n.inputs) > 1 and _is_const(n.inputs[1])]
 
 
+def head_weights(graph: gs.Graph) -> list[str]:
+    """Constant weights of the MatMul/Gemm producing a graph output through shape ops (the lm_head)."""
+    names = set(head_outputs(graph))
+    return [n.inputs[1].name for n in graph.nodes if n.op in ("MatMul", "Gemm") and n.outputs[0].name in names
+            and isinstance(n.inputs[1], gs.Constant)]
+
+
+def weighted_nodes(graph: gs.Graph) -> dict[str, gs.Node]:
+    """MatMul/Gemm nodes with a constant weight, by node name."""
+    return {n.name: n for n in graph.nodes if n.op in ("MatMul", "Gemm") and len(n.inputs) > 1
+            and isinstance(n.inputs[1], gs.Constant)}
+
+
 def weighted_inputs(graph: gs.Graph) -> dict[str, int]:
     """Constant weights of MatMul/Gemm and their output-channel axis (None when not per-channel-able)."""
     axes = {}
@@ -288,12 +321,28 @@ def make_plan(ir: IRModel, policy: PrecisionPolicy) -> Plan:
         for name in plan.kv:
             plan.overrides[name] = [{"quant_type": kv_type}]
     symmetric = policy.weights.startswith("int")
+    nodes = weighted_nodes(ir.graph)
+    unknown = [n for n in policy.raised if n not in nodes]
+    if unknown:
+        raise BadInputError(f"raised layers {unknown[:3]} are not weighted MatMul/Gemm nodes of this graph")
+    raised_weights = {nodes[n].inputs[1].name for n in policy.raised}
+    if policy.weight_bits == 4:  # the lm_head (and the embedding, an activation here) stay at 8 bit or more
+        plan.weights_8bit = sorted(set(head_weights(ir.graph)) | raised_weights)
+    elif policy.act_bits == 8 and policy.raised:
+        for n in policy.raised:
+            plan.overrides.setdefault(nodes[n].outputs[0].name, [{"quant_type": QuantType.QUInt16}])
     for name, axis in weighted_inputs(ir.graph).items():
-        entry: dict[str, Any] = {"quant_type": policy.weight_type, "symmetric": symmetric}
+        wtype = QuantType.QInt8 if name in plan.weights_8bit else policy.weight_type
+        entry: dict[str, Any] = {"quant_type": wtype, "symmetric": symmetric}
         if policy.per_channel:
             entry["axis"] = axis
             plan.per_channel[name] = axis
         plan.overrides[name] = [entry]
     for name in norm_scales(ir.graph):  # the HTP's LayerNorm rejects int8 and asymmetric uint16 gammas
         plan.overrides[name] = [{"quant_type": QuantType.QUInt8, "symmetric": False}]
+    if policy.weight_bits == 4:  # int4 is for projection weights only: rotary tables, scales... stay int8
+        for node in ir.graph.nodes:
+            for t in node.inputs:
+                if isinstance(t, gs.Constant) and np.dtype(t.dtype).kind == "f" and t.name not in plan.overrides:
+                    plan.overrides[t.name] = [{"quant_type": QuantType.QInt8, "symmetric": True}]
     return plan
