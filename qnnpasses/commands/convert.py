@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from qnnpasses.commands.common import add_deprecated, add_format_arg
+from qnnpasses.commands.common import add_deprecated, add_format_arg, add_shape_arg, shaped_path
 from qnnpasses.errors import BadInputError, CheckFailedError
 
 
@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     add_deprecated(p, "--output", "out_dir", "--out-dir VALUE")
     p.add_argument("--calib", metavar="DATA", help="calibration samples: X.npz, a folder of .npz, or an input_list.txt")
     p.add_argument("--overrides", metavar="FILE", help="quantization overrides JSON to pass to the converter")
-    p.add_argument("--sdk", metavar="DIR", help="QNN SDK root (default $QNN_SDK_ROOT); the tools run when found")
+    p.add_argument("--sdk", metavar="SDK_ROOT", help="QNN SDK root (default $QNN_SDK_ROOT); the tools run when found")
+    add_shape_arg(p)
     add_format_arg(p)
     p.set_defaults(func=main)
 
@@ -40,7 +41,8 @@ def main(args) -> int:
         raise BadInputError("convert needs --out-dir DIR (the folder to write the package into)")
     if args.sdk and find_sdk(args.sdk) is None:
         raise BadInputError(f"--sdk {args.sdk}: no bin/x86_64-linux-clang/qnn-onnx-converter there")
-    report = write_package(args.model, args.out_dir, calib=args.calib, overrides=args.overrides, sdk=args.sdk)
+    with shaped_path(args) as path:
+        report = write_package(path, args.out_dir, calib=args.calib, overrides=args.overrides, sdk=args.sdk)
     print(json.dumps(report, indent=2) if args.format == "json" else render_text(report))
     failed = [s for s in report.get("steps", []) if s["returncode"] != 0]
     if failed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from qnnpasses.commands.common import add_format_arg
 from qnnpasses.errors import BadInputError
 
 
@@ -20,7 +21,7 @@ def register(subparsers) -> None:
     parser.add_argument("--compare", metavar="ORIGINAL.onnx",
                         help="also run the original dynamic-KV export greedily on onnxruntime CPU (fp32): "
                              "identical leading tokens and teacher-forced top-1 agreement")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    add_format_arg(parser)
     parser.set_defaults(func=main)
 
 

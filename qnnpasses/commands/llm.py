@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 
+from qnnpasses.commands.common import add_deprecated, add_format_arg
+from qnnpasses.errors import BadInputError
+
 
 def _positive_int(text: str) -> int:
     import argparse
@@ -22,7 +25,8 @@ def _positive_int(text: str) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("llm", help="turn a KV-cache decoder export into a static prefill + decode pair for the HTP")
     p.add_argument("model", help="decoder exported with past_key_values inputs and present outputs (never modified)")
-    p.add_argument("-o", "--out-dir", dest="out_dir", required=True, metavar="DIR", help="folder to write")
+    p.add_argument("--out-dir", dest="out_dir", metavar="DIR", help="folder to write (required)")
+    add_deprecated(p, "-o", "out_dir", "--out-dir VALUE")
     p.add_argument("--context", type=_positive_int, required=True, metavar="N", help="cache length (context) in tokens")
     p.add_argument("--prefill", type=_positive_int, required=True, metavar="M", help="new tokens per prefill call")
     p.add_argument("--precision", default="fp16", metavar="fp16|w8a16|w4a16",
@@ -32,12 +36,15 @@ def register(subparsers) -> None:
     split.add_argument("--parts", type=_positive_int, metavar="K", help="split each graph into K consecutive parts")
     split.add_argument("--max-part-bytes", type=_positive_int, metavar="B", help="split each graph into parts of at most B bytes")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    add_format_arg(p)
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
     from qnnpasses.llm.convert import build
+
+    if not args.out_dir:
+        raise BadInputError("llm needs --out-dir DIR (the folder to write the prefill + decode pair into)")
 
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile)

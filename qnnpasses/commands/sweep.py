@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qnnpasses.commands.common import add_deprecated
+from qnnpasses.commands.common import add_deprecated, add_shape_arg, shaped_path
 from qnnpasses.errors import BadInputError
 
 SUMMARY = "quantize every cell of the precision grid, run each on the HTP and score it (markdown, JSON, PNG)"
@@ -27,6 +27,7 @@ def register(subparsers) -> None:
     parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None, help="KV cache width in every cell")
     parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples per cell")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC", help="pipeline run first (default htp-llm)")
+    add_shape_arg(parser)
     parser.add_argument("--keep-models", action="store_true", help="keep each cell's QDQ model in DIR/cells")
     parser.set_defaults(func=main)
 
@@ -55,9 +56,10 @@ def main(args) -> int:
         def progress(label: str, done: int, total: int) -> None:
             bar.update(task, description=f"cell {label}" if label != "done" else "done", completed=done, total=total)
 
-        result = run_sweep(args.model, args.calib, args.eval_data, args.out_dir,
-                           policies=policies, eval_limit=args.eval_samples,
-                           keep_models=args.keep_models, progress=progress, pipeline=args.pipeline)
+        with shaped_path(args) as model:
+            result = run_sweep(model, args.calib, args.eval_data, args.out_dir,
+                               policies=policies, eval_limit=args.eval_samples,
+                               keep_models=args.keep_models, progress=progress, pipeline=args.pipeline)
     print(markdown(result))
     out = Path(args.out_dir)
     written = ", ".join(str(out / f) for f in ("sweep.md", "sweep.json", "sweep.png") if (out / f).exists())
