@@ -39,7 +39,7 @@ def analyze_kv(path: str | Path, context: int) -> dict[str, Any]:
     return {k: report.get(k) for k in ("layers", "kv_heads", "head_dim", "context", "bytes_fp32", "bytes_fp16")}
 
 
-def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = True) -> dict[str, Any]:
+def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = True, fp16: bool = True) -> dict[str, Any]:
     """Per graph: placement and composed QNN ops (from a child-process probe), nodes, KV bytes."""
     import onnx
 
@@ -54,7 +54,7 @@ def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = T
             if probe:
                 from qnnpasses.backends.htp import probe_placement
 
-                placement = probe_placement(path)
+                placement = probe_placement(path, fp16=fp16)
                 item.update(ok=placement.ok, error=placement.error, qnn_partitions=placement.qnn_partitions,
                             cpu_nodes=len(placement.cpu_nodes), qnn_ops=(placement.qnn_graph_ops or {}).get("total"))
             entry["parts"].append(item)

@@ -75,11 +75,15 @@ def _call(runner, reference, ref_outputs, manifest, graph, chunk, valid, cache, 
     got = runner(static_feed(graph, chunk, valid, cache))
     ref = dict(zip(ref_outputs, reference.run(ref_outputs, _reference_feed(reference, roles, chunk, valid, cache, source))))
     count = len(chunk)
+    worst["top1_agree"] += int(np.sum(np.argmax(got[roles["logits"]][0, :count], -1) == np.argmax(ref[source["logits"]][0], -1)))
+    worst["positions"] += count
     worst["logits"] = max(worst["logits"], float(np.abs(got[roles["logits"]][:, :count] - ref[source["logits"]]).max()))
+    worst["logits_scale"] = max(worst["logits_scale"], float(np.abs(ref[source["logits"]]).max()))
     for kind in ("key", "value"):
         for layer, (past, new) in enumerate(zip(roles[f"past_{kind}"], roles[f"new_{kind}"])):
             present = ref[source[f"present_{kind}"][layer]][:, :, valid:valid + count]
             worst["kv"] = max(worst["kv"], float(np.abs(got[new][:, :, :count] - present).max()))
+            worst["kv_scale"] = max(worst["kv_scale"], float(np.abs(present).max()))
             cache[past][:, :, valid:valid + count] = got[new][:, :, :count]
     worst["calls"] += 1
     return ref[source["logits"]]
@@ -99,7 +103,8 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
     roles = manifest["graphs"]["decode"]["roles"]
     cache = {n: np.zeros((1, manifest["kv_heads"], context, manifest["head_dim"]), np.float32)
              for n in roles["past_key"] + roles["past_value"]}
-    worst: dict[str, Any] = {"logits": 0.0, "kv": 0.0, "calls": 0}
+    worst: dict[str, Any] = {"logits": 0.0, "kv": 0.0, "calls": 0, "top1_agree": 0, "positions": 0,
+                             "logits_scale": 0.0, "kv_scale": 0.0}
     valid = 0
     for start in range(0, len(prompt), size):
         chunk = prompt[start:start + size]
@@ -114,4 +119,5 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
         tokens.append(int(np.argmax(logits[0, -1])))
     worst["tokens"] = tokens
     worst["max_abs"] = max(worst["logits"], worst["kv"])
+    worst["top1"] = worst["top1_agree"] / max(1, worst["positions"])
     return worst

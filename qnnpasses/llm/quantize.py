@@ -1,0 +1,132 @@
+"""``--precision w8a16|w4a16``: quantize the prefill and decode graphs with one shared calibration.
+
+``--calib DATA`` holds token-id sequences (``.npz`` with an integer array ``[n, T]`` -- named like
+the export's token input, or the only array -- or such a ``.npy``).  Each sequence is run
+through the float static pair on onnxruntime CPU the way a runner drives it (the first half
+in prefill chunks, the rest one token at a time through decode, the cache filled by the
+graphs themselves), and the inputs of every call become that graph's calibration samples: the
+past K/V the graphs see are real cache contents.  :func:`qnnpasses.quant.shared.quantize_graphs`
+then gives every tensor the two graphs share -- the weights, and each layer's new K/V
+output tied to the past input it becomes -- one encoding.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnnpasses.errors import BadInputError
+from qnnpasses.ir.load import load_model
+from qnnpasses.llm.verify import PartsRunner, static_feed
+
+#: calibration samples kept per graph
+MAX_SAMPLES = 64
+
+
+def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
+    """The ``[n, T]`` integer token sequences in ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"calibration data not found: {path}")
+    try:
+        if path.suffix == ".npz":
+            with np.load(path) as data:
+                names = data.files
+                key = input_ids if input_ids in names else (names[0] if len(names) == 1 else None)
+                if key is None:
+                    raise BadInputError(f"{path.name}: no array '{input_ids}' (and more than one array: {names})")
+                array = data[key]
+        elif path.suffix == ".npy":
+            array = np.load(path)
+        else:
+            raise BadInputError(f"{path.name}: --calib must be .npz or .npy token ids [sequences, tokens]")
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"{path.name}: cannot read it: {exc}") from None
+    array = np.asarray(array)
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or array.dtype.kind not in "iu" or array.shape[1] < 2:
+        raise BadInputError(f"{path.name}: token ids must be an integer array [sequences, tokens >= 2] "
+                            f"(got {array.dtype} {list(array.shape)})")
+    return array
+
+
+def calibration_samples(folder: Path, manifest: dict[str, Any], sequences: np.ndarray) -> dict[str, list[dict]]:
+    """Per graph, the inputs of every call while the float pair processes ``sequences``."""
+    graphs = manifest["graphs"]
+    runners = {name: PartsRunner(folder, graphs[name]) for name in graphs}
+    context, size = manifest["context"], manifest["prefill"]
+    roles = graphs["decode"]["roles"]
+    samples: dict[str, list[dict]] = {"prefill": [], "decode": []}
+    vocab = manifest["vocab"]
+    for row in sequences:
+        tokens = [int(t) % vocab for t in row[: context - 1]]
+        prompt = tokens[: max(1, len(tokens) // 2)]
+        cache = {n: np.zeros((1, manifest["kv_heads"], context, manifest["head_dim"]), np.float32)
+                 for n in roles["past_key"] + roles["past_value"]}
+        valid = 0
+        steps = [("prefill", prompt[i:i + size]) for i in range(0, len(prompt), size)]
+        steps += [("decode", [t]) for t in tokens[len(prompt):]]
+        for name, chunk in steps:
+            graph = graphs[name]
+            if valid > graph["past"]:
+                break
+            feed = static_feed(graph, chunk, valid, cache)
+            out = runners[name](feed)
+            for kind in ("key", "value"):
+                for past, new in zip(graph["roles"][f"past_{kind}"], graph["roles"][f"new_{kind}"]):
+                    cache[past][:, :, valid:valid + len(chunk)] = out[new][:, :, :len(chunk)]
+            valid += len(chunk)
+            samples[name].append(feed)
+    for name in samples:
+        if not samples[name]:
+            raise BadInputError(f"--calib: the sequences give no {name} call (need more than "
+                                f"{2 * size if name == 'decode' else 1} tokens)")
+        if len(samples[name]) > MAX_SAMPLES:  # evenly spread over the calls
+            keep = np.linspace(0, len(samples[name]) - 1, MAX_SAMPLES).round().astype(int)
+            samples[name] = [samples[name][i] for i in keep]
+    return samples
+
+
+def _write_npz(path: Path, samples: list[dict[str, np.ndarray]]) -> Path:
+    np.savez(path, **{name: np.concatenate([s[name] for s in samples]) for name in samples[0]})
+    return path
+
+
+def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, Any]:
+    """Quantize ``folder/{prefill,decode}.onnx`` in place (the float graphs stay as ``*.float.onnx``)."""
+    try:
+        from qnnpasses.quant.shared import PRECISIONS, quantize_graphs
+    except ImportError:
+        raise BadInputError(f"{options.precision}: not available yet") from None
+    if options.precision not in PRECISIONS:
+        raise BadInputError(f"{options.precision}: not available yet")
+    source_ids = manifest["source_roles"]["input_ids"]
+    sequences = load_token_sequences(options.calib, source_ids)
+    samples = calibration_samples(folder, manifest, sequences)
+    ties = {}
+    for graph in manifest["graphs"].values():
+        roles = graph["roles"]
+        ties.update(zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]))
+    models, calib, outputs = {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="qnnpasses-llm-calib-") as tmp:
+        for name, graph in manifest["graphs"].items():
+            part = graph["parts"][0]
+            float_path = folder / part["onnx"].replace(".onnx", ".float.onnx")
+            (folder / part["onnx"]).rename(float_path)
+            models[name] = load_model(float_path)
+            calib[name] = _write_npz(Path(tmp) / f"{name}.npz", samples[name])
+            outputs[name] = folder / part["onnx"]
+        result = quantize_graphs(models, calib, outputs, precision=options.precision, ties=ties)
+    for name, graph in manifest["graphs"].items():
+        quantized = load_model(outputs[name])
+        names = {t.name for t in list(quantized.graph.inputs) + list(quantized.graph.outputs)}
+        if names != set(graph["io"]):
+            raise BadInputError(f"quantizing the {name} graph changed its interface: {sorted(names ^ set(graph['io']))}")
+        graph["float_onnx"] = graph["parts"][0]["onnx"].replace(".onnx", ".float.onnx")
+    return {"precision": options.precision, "samples": {k: len(v) for k, v in samples.items()},
+            "shared_tensors": len(result.shared_tensors), "ties": len(ties),
+            "graphs": {k: r.as_dict() for k, r in result.results.items()}}
