@@ -1,22 +1,16 @@
-"""What the QNN HTP runs natively, for the norm and GeLU passes (fp16 mode).
+"""What the QNN HTP runs natively, asked by the norm and GeLU passes before they rewrite.
 
-Measured with onnxruntime-qnn 2.7 (QNN 2.40, soc 60 / v73, ``enable_htp_fp16_precision``)
-on one-node models, graph optimizations off (``tests/test_pass_*`` re-check the ones the
-passes rely on).  To be replaced by the op-support table in ``op_support/`` once it exists.
+Read from the op-support table (``op_support/tables/htp.json``, measured on the real
+backend: onnxruntime-qnn, QNN 2.40, soc 60 / v73, fp16), the same data ``qnnpasses check``
+and the partitioner use, so a pass never keeps its own list.  The facts the passes rely on,
+as the table states them:
 
-=======================================  ==========================================
-LayerNormalization (17)                  HTP ``LayerNorm``: last axis only, rank <= 4
-                                         (rank 5: "incorrect Rank 5"; axis 1: "only
-                                         supports normalization along the last axis")
-RMSNormalization (23)                    HTP ``RmsNorm``: last axis only, rank <= 4
-Gelu (20, none|tanh), com.microsoft.Gelu HTP ``Gelu``
-Erf, com.microsoft.FastGelu/BiasGelu     rejected ("not supported by QNN EP")
-SimplifiedLayerNormalization             ORT contrib op registered in the *default*
-                                         domain: HTP ``RmsNorm`` at opset 17, but the
-                                         ONNX checker rejects it (not loadable as
-                                         com.microsoft) -- hence the opset raise
-com.microsoft.SkipSimplifiedLayerNorm.   rejected
-=======================================  ==========================================
+* ``LayerNormalization`` (17) and ``RMSNormalization`` (23) become HTP ``LayerNorm`` /
+  ``RmsNorm`` for inputs of rank <= 4 normalized over the last axis only;
+* ``Gelu`` (20) and ``com.microsoft.Gelu`` become HTP ``Gelu``; ``Erf``,
+  ``com.microsoft.FastGelu`` and ``SkipSimplifiedLayerNormalization`` are rejected;
+* ``SimplifiedLayerNormalization`` (an onnxruntime op in the default domain) becomes
+  ``RmsNorm`` at opset 17, but the ONNX checker rejects it -- hence the opset raise.
 
 Numerics (fp16): ``LayerNorm`` and ``RmsNorm`` stay within fp16 rounding of fp32 for
 inputs with |x| = 30,000 in one channel; the decomposed ``Pow(x,2)`` forms do not.  The HTP
@@ -29,21 +23,47 @@ LayerNorm squaring with ``Mul(d, d)``, using ``Reciprocal`` or without beta stay
 
 from __future__ import annotations
 
+from typing import Any
+
+from .table import load_table, lookup
+
+_NORMS = ("LayerNormalization", "RMSNormalization")
+
+
+def _entry(op: str, domain: str = "") -> dict[str, Any] | None:
+    return lookup(load_table("htp"), op, domain)
+
+
+def max_rank(op: str, domain: str = "") -> int:
+    """Highest input rank the HTP runs ``op`` at (the table's per-op limit, else its global one)."""
+    entry = _entry(op, domain) or {}
+    return int(entry.get("max_rank", load_table("htp")["global"]["max_rank"]))
+
+
 #: Highest input rank of the HTP's LayerNorm / RmsNorm.
-MAX_NORM_RANK = 4
-
-_NATIVE_GELU = {("Gelu", ""), ("Gelu", "com.microsoft")}
+MAX_NORM_RANK = min(max_rank(op) for op in _NORMS)
 
 
-def htp_runs_norm(axis: int, rank: int | None) -> bool:
-    """Whether HTP LayerNorm/RmsNorm run a normalization over ``axis`` of a rank-``rank`` input.
+def htp_runs_norm(axis: int, rank: int | None, op: str = "LayerNormalization") -> bool:
+    """Whether the HTP runs ``op`` (LayerNormalization / RMSNormalization) normalizing over
+    ``axis`` of a rank-``rank`` input.
 
-    An ONNX axis ``k`` normalizes over dims ``k..rank-1``; the HTP only does the last one.
+    An ONNX axis ``k`` normalizes over dims ``k..rank-1``; the table's ``last_axis`` rule
+    says the HTP only does the last one.  A rule this predicate cannot evaluate without
+    the node counts as "does not run" (the pass then leaves the graph as it is).
     """
-    if rank is None:
+    entry = _entry(op)
+    if rank is None or entry is None or not entry.get("supported"):
         return False
-    return 1 <= rank <= MAX_NORM_RANK and axis in (-1, rank - 1)
+    if not 1 <= rank <= max_rank(op):
+        return False
+    for rule in entry.get("rules", []):
+        if rule.get("check") != "last_axis" or axis not in (-1, rank - 1):
+            return False
+    return True
 
 
 def htp_runs_gelu(op: str, domain: str) -> bool:
-    return (op, domain or "") in _NATIVE_GELU
+    """Whether the HTP runs a GeLU node (``Gelu``, ``com.microsoft.Gelu``, ``FastGelu`` ...) natively."""
+    entry = _entry(op, domain)
+    return bool(entry and entry.get("supported") and "Gelu" in entry.get("qnn_ops", []))

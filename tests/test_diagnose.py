@@ -109,7 +109,7 @@ def test_the_fix_lint_names_makes_the_model_compile(tmp_path):
     from qnnpasses.passmanager.spec import parse_pipeline
 
     ir = load_model(fixture_path("llama_gqa_dynamo"))
-    PassManager(parse_pipeline("simplify{use_onnxsim=false}")).run(ir)
+    PassManager(parse_pipeline("simplify")).run(ir)
     save_model(ir, tmp_path / "fixed.onnx")
     placement = probe_placement(tmp_path / "fixed.onnx")
     assert placement.ok, placement.error

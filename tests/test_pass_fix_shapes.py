@@ -131,17 +131,16 @@ def test_unnamed_dims_use_position():
 # --------------------------------------------------------------------------- dynamic fixtures
 
 
-def _fix_and_simplify(name: str, use_onnxsim: bool, fix: str = "", shapes=None):
+def _fix_and_simplify(name: str, fix: str = "", shapes=None):
     ir = load_model(FIXTURES / f"{name}.onnx")
-    spec = f"fix-shapes{fix or REFERENCE_OPTIONS[name]},simplify{{use_onnxsim={str(use_onnxsim).lower()}}}"
+    spec = f"fix-shapes{fix or REFERENCE_OPTIONS[name]},simplify"
     result = PassManager(parse_pipeline(spec), RunConfig(strict=True), context=PassContext(shapes=shapes or {})).run(ir)
     return ir, result
 
 
-@pytest.mark.parametrize("use_onnxsim", [True, False], ids=["onnxsim", "own"])
 @pytest.mark.parametrize("name", sorted(DYNAMIC))
-def test_dynamic_fixture_becomes_static_and_matches_reference(name, use_onnxsim):
-    ir, result = _fix_and_simplify(name, use_onnxsim)
+def test_dynamic_fixture_becomes_static_and_matches_reference(name):
+    ir, result = _fix_and_simplify(name)
     assert all(r.status == "changed" for r in result.records)
     assert has_static_shapes(ir.graph)
     tensors = [t for t in ir.graph.tensors().values() if not hasattr(t, "values")]
@@ -165,7 +164,7 @@ def test_other_shapes_match_the_dynamic_model():
     feeds = {"input_ids": rng.integers(0, 256, (2, 8)).astype(np.int64), "attention_mask": np.ones((2, 8), np.int64)}
     feeds["attention_mask"][1, :3] = 0  # left padding
     expected = run_cpu(FIXTURES / f"{name}.onnx", feeds)
-    ir, _ = _fix_and_simplify(name, use_onnxsim=False, shapes={"input_ids": [2, 8]})
+    ir, _ = _fix_and_simplify(name, shapes={"input_ids": [2, 8]})
     assert _shape(ir, "attention_mask") == [2, 8] and _shape(ir, "logits") == [2, 8, 256]
     got = run_cpu(ir, feeds)
     assert np.max(np.abs(got["logits"] - expected["logits"])) <= 1e-4
@@ -178,7 +177,7 @@ def test_fixed_dynamic_export_runs_in_one_htp_partition(tmp_path):
 
     name = "llama_gqa_dyn_ts"
     before = probe_placement(FIXTURES / f"{name}.onnx", fixture_inputs(name), optimize=False)
-    ir, _ = _fix_and_simplify(name, use_onnxsim=True)
+    ir, _ = _fix_and_simplify(name)
     path = save_model(ir, tmp_path / "fixed.onnx")
     after = probe_placement(path, fixture_inputs(name), optimize=False)
     assert len(before.cpu_nodes) > 100 and before.qnn_partitions > 1

@@ -14,7 +14,9 @@ built from an ``attention_mask`` input cannot be proven: an all-padding prefix m
 rows.
 
 ``mask_cone(t)`` lists every (node, input index, constant) that flows into ``t`` without
-crossing a MatMul: the constants an additive mask or a masking ``Where`` is built from.
+crossing a MatMul: the constants an additive mask or a masking ``Where`` is built from;
+``replace_mask_constants`` makes those at or below a threshold finite (attention-cleanup's
+and quant-mask's rewrite).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.passmanager.rewrite import constant_value, producer
+from qnnpasses.ir.model import IRModel
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.rewrite import constant_value, make_constant, producer
 
 FLT_MAX = float(np.finfo(np.float32).max)
 SCORE_BOUND = 1e6
@@ -167,3 +171,32 @@ def mask_cone(tensor: gs.Tensor, limit: int = 64) -> list[tuple[gs.Node, int, gs
             elif inp.name:
                 stack.append(inp)
     return found
+
+
+def replace_mask_constants(ir: IRModel, ctx: PassContext, softmaxes: list[gs.Node], mask_value: float,
+                           threshold: float) -> tuple[int, int]:
+    """Every float constant in the softmax inputs' mask cones with elements at or below
+    ``threshold`` (or -inf) gets those elements set to ``mask_value``; returns how many
+    constants and how many values changed.  Call ``finish`` afterwards when any did."""
+    replaced: dict[int, gs.Tensor | None] = {}
+    values = 0
+    for softmax in softmaxes:
+        for node, index, constant in mask_cone(softmax.inputs[0]):
+            if id(constant) not in replaced:
+                replaced[id(constant)] = _finite(ir, ctx, constant, mask_value, threshold)
+                new = replaced[id(constant)]
+                values += 0 if new is None else int(np.count_nonzero(constant_value(constant) != new.values))
+            if replaced[id(constant)] is not None:
+                node.inputs[index] = replaced[id(constant)]
+    return sum(v is not None for v in replaced.values()), values
+
+
+def _finite(ir: IRModel, ctx: PassContext, constant: gs.Tensor, mask_value: float, threshold: float) -> gs.Constant | None:
+    value = constant_value(constant)
+    if value is None or not np.issubdtype(value.dtype, np.floating):
+        return None
+    bad = np.isneginf(value) | (value <= threshold)
+    if not bad.any():
+        return None
+    fixed = np.where(bad, np.asarray(mask_value, dtype=value.dtype), value).astype(value.dtype)
+    return make_constant(ir, ctx, f"{constant.name or 'mask'}_finite", fixed)

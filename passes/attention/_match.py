@@ -36,7 +36,7 @@ from qnnpasses.passes.attention._layout import (
     layout_step,
 )
 
-from qnnpasses.passmanager.rewrite import constant_value, last_axis, producer
+from qnnpasses.passmanager.rewrite import constant_value, last_axis, producer, static_shape
 
 # Ops that may sit between Q·Kᵀ and P·V without mixing rows or columns of the scores.
 ELEMENTWISE = frozenset({
@@ -52,13 +52,6 @@ def shape_of(tensor: gs.Tensor) -> tuple | None:
     if shape is None or any(d is None for d in shape):
         return None
     return tuple(shape)
-
-
-def static_shape(tensor: gs.Tensor) -> tuple[int, ...] | None:
-    shape = shape_of(tensor)
-    if shape is None or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
-        return None
-    return tuple(int(d) for d in shape)
 
 
 def _consumers(tensor: gs.Tensor) -> list[gs.Node]:

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.attention._match import static_shape
 from qnnpasses.passes.attention._proj import split_sizes
 
-from qnnpasses.passmanager.rewrite import constant_value
+from qnnpasses.passmanager.rewrite import constant_value, static_shape
 
 
 def pool_heads(values: np.ndarray, begin: int, end: int, axis: int, groups: int, head_dim: int) -> np.ndarray:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.attention._match import shape_of, static_shape
+from qnnpasses.passes.attention._match import shape_of
 
-from qnnpasses.passmanager.rewrite import constant_value, producer
+from qnnpasses.passmanager.rewrite import constant_value, producer, static_shape
 
 _PER_HEAD = frozenset({"Mul", "Add", "Sub", "Div", "Neg", "Cast", "Identity"})
 _CUT = frozenset({"Slice", "Split", "Concat"})

@@ -39,9 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.attention._mask import mask_cone, rows_keep
+from qnnpasses.passes.attention._mask import replace_mask_constants, rows_keep
 from qnnpasses.passes.attention._match import NaNGuard, find_guard
 
 from qnnpasses.ir.model import IRModel
@@ -59,12 +58,7 @@ from qnnpasses.passmanager.api import (
     assumes,
     register_pass,
 )
-from qnnpasses.passmanager.rewrite import (
-    constant_value,
-    finish,
-    make_constant,
-    replace_all_uses,
-)
+from qnnpasses.passmanager.rewrite import finish, replace_all_uses
 
 
 @register_pass
@@ -93,7 +87,8 @@ class AttentionCleanup(Pass):
         softmaxes = [n for n in ir.graph.nodes if n.op == "Softmax"]
         notes: list[str] = []
         removed, kept = self._guards(ir, softmaxes, notes) if self.options.remove_guards else (0, 0)
-        constants, values = self._masks(ir, ctx, softmaxes) if self.options.finite_masks else (0, 0)
+        constants, values = (replace_mask_constants(ir, ctx, softmaxes, self.options.mask_value, self.options.threshold)
+                             if self.options.finite_masks else (0, 0))
         if removed or constants:
             finish(ir)
         stats = {"nan_guards_removed": removed, "nan_guards_kept": kept, "mask_constants_replaced": constants,
@@ -116,33 +111,6 @@ class AttentionCleanup(Pass):
                 notes.append(f"kept NaN guard after '{softmax.name}': a mask row may be fully -inf "
                              "(padding from an input); set assume_unmasked_rows=true if every row sees a key")
         return removed, kept
-
-    # ------------------------------------------------------------------ (b) finite masks
-
-    def _masks(self, ir: IRModel, ctx: PassContext, softmaxes: list[gs.Node]) -> tuple[int, int]:
-        """Replace every too-negative float constant in the softmax inputs' mask cones."""
-        replaced: dict[int, gs.Tensor | None] = {}
-        values = 0
-        for softmax in softmaxes:
-            for node, index, constant in mask_cone(softmax.inputs[0]):
-                if id(constant) not in replaced:
-                    replaced[id(constant)] = self._finite(ir, ctx, constant)
-                    new = replaced[id(constant)]
-                    values += 0 if new is None else int(np.count_nonzero(constant_value(constant) != new.values))
-                if replaced[id(constant)] is not None:
-                    node.inputs[index] = replaced[id(constant)]
-        return sum(v is not None for v in replaced.values()), values
-
-    def _finite(self, ir: IRModel, ctx: PassContext, constant: gs.Tensor) -> gs.Constant | None:
-        value = constant_value(constant)
-        if value is None or not np.issubdtype(value.dtype, np.floating):
-            return None
-        bad = np.isneginf(value) | (value <= self.options.threshold)
-        if not bad.any():
-            return None
-        fixed = np.where(bad, np.asarray(self.options.mask_value, dtype=value.dtype), value).astype(value.dtype)
-        return make_constant(ir, ctx, f"{constant.name or 'mask'}_finite", fixed)
-
 
 def _drop_guard(ir: IRModel, guard: NaNGuard) -> None:
     """Consumers of ``Where(IsNaN(p), 0, p)`` read ``p`` again; the guard is left dead."""

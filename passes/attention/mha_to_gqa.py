@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from qnnpasses.passes.attention._grouped import GroupedRewriter
-from qnnpasses.passes.attention._match import Attention, find_attentions, static_shape
+from qnnpasses.passes.attention._match import Attention, find_attentions
 from qnnpasses.passes.attention._pool import (
     Shrink,
     new_column,
@@ -41,7 +41,7 @@ from qnnpasses.passes.attention._proj import (
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import FINITE_MASKS, FOLDED, Pass, PassContext, PassResult, approximate, register_pass
-from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant
+from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, static_shape
 
 
 @register_pass

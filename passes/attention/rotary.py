@@ -32,14 +32,14 @@ from qnnpasses.ir.index_map import MOVERS, apply_op
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import ATTENTION_REWRITTEN, EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import (
-    constant,
     finish,
     input_value,
     is_constant,
     is_scalar_constant,
+    make_constant,
     make_node,
-    only_consumer,
-    redirect,
+    replace_all_uses,
+    single_consumer,
     static_shape,
 )
 
@@ -68,7 +68,7 @@ def _root_of(graph: gs.Graph, tensor: gs.Tensor, nodes: list) -> gs.Tensor:
     """Walk up through single-use allowed nodes; the first shared or foreign tensor is the root."""
     while True:
         node = tensor.inputs[0] if tensor.inputs else None
-        if node is None or not _allowed(node) or node.op == "Concat" or only_consumer(graph, tensor) is None:
+        if node is None or not _allowed(node) or node.op == "Concat" or single_consumer(tensor, graph) is None:
             return tensor
         if len(nodes) >= MAX_NODES:
             raise _NotRotation("sub-graph too large")
@@ -116,7 +116,7 @@ def _candidate_tops(graph: gs.Graph, concat: gs.Node) -> list[gs.Tensor]:
     """The Concat's output and the results of single-use movers after it (interleaved forms)."""
     tops = [concat.outputs[0]]
     while len(tops) < 4:
-        nxt = only_consumer(graph, tops[-1])
+        nxt = single_consumer(tops[-1], graph)
         if nxt is None or nxt.op not in ("Reshape", "Flatten", "Squeeze") or nxt.inputs[0] is not tops[-1]:
             break
         tops.append(nxt.outputs[0])
@@ -174,9 +174,9 @@ class Rotary(Pass):
                 notes.append(f"{concat.name}: head dim {matrix.shape[0]} > max_head_dim")
                 continue
             weight = matrix.reshape((1,) * (len(x.shape) - 2) + matrix.shape).astype(np.dtype(x.dtype))
-            r = constant(ir, ctx, "rotary_R", weight)
+            r = make_constant(ir, ctx, "rotary_R", weight)
             node = make_node(ir, ctx, "MatMul", [x, r], name_hint=f"{concat.name}_rotary", dtype=x.dtype, shape=x.shape)
-            redirect(ir.graph, top, node.outputs[0])
+            replace_all_uses(ir.graph, top, node.outputs[0], via_identity=True)
             stats["rotations"] += 1
         if stats["rotations"]:
             finish(ir)

@@ -1,4 +1,4 @@
-"""Our own constant folding, used by ``simplify`` (alone, or after onnxsim).
+"""The project's constant folder, used by ``simplify`` (and through it by the analyses).
 
 It works node by node on the graphsurgeon graph, so it never builds a protobuf holding
 the weights and scales to models of any size:
@@ -36,6 +36,7 @@ from qnnpasses.passes.fold._nops import (
     remove_nops,
 )
 
+from qnnpasses.ir.graph_ops import finish_graph, toposort
 from qnnpasses.ir.model import const_nbytes
 from qnnpasses.ir.shapes import is_static
 from qnnpasses.passmanager.rewrite import constant_value
@@ -62,6 +63,11 @@ class FoldReport:
 
     def skip(self, node: gs.Node, reason: str) -> None:
         self.skipped[node.name] = f"{node.op}: {reason}"
+
+    def rewrites(self) -> int:
+        """How many rewrites so far (dead-code removal aside, which enables no further fold)."""
+        return (self.constants_lifted + self.shapes_folded + self.nodes_folded + self.nops_removed
+                + self.empty_inputs_dropped + self.operands_swapped)
 
 
 # --------------------------------------------------------------------------- Constant nodes
@@ -216,7 +222,7 @@ def fold_constant_nodes(graph: gs.Graph, max_bytes: int, report: FoldReport) -> 
     """Fold, in topological order, every node whose value is known at compile time."""
     opsets = graph_opsets(graph)
     outputs = set(id(t) for t in graph.outputs)
-    graph.toposort()
+    toposort(graph)
     for node in list(graph.nodes):
         if node.op in NEVER_FOLD or not node.outputs or any(id(t) in outputs for t in node.outputs):
             continue
@@ -276,6 +282,6 @@ def fold_graph(graph: gs.Graph, max_bytes: int, report: FoldReport | None = None
     prune_empty_concat_inputs(graph, report)
     remove_nops(graph, report)
     constants_second(graph, report)
-    graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True).toposort()
+    finish_graph(graph)
     return report
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.rewrite import finish
 
 
 @register_pass
@@ -20,6 +21,6 @@ class Cleanup(Pass):
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         before = len(ir.graph.nodes)
-        ir.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True).toposort()
+        finish(ir)
         removed = before - len(ir.graph.nodes)
         return PassResult(changed=removed > 0, stats={"removed_nodes": removed})

@@ -30,11 +30,11 @@ from qnnpasses.passes.kvcache._contract import EXACT
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import STATIC_SHAPES, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import (
-    constant,
     constant_value,
     emit,
     emit_slice,
     finish,
+    make_constant,
     normalize_axis,
     static_shape,
 )
@@ -141,7 +141,7 @@ class _Distributor:
             part_dst[new_axis] = shape[axis]
             inputs = [part] + list(node.inputs[1:])
             if node.op in ("Reshape", "Expand"):
-                inputs = [part, constant(self.ir, self.ctx, f"{node.name}_shape", np.asarray(part_dst, np.int64))]
+                inputs = [part, make_constant(self.ir, self.ctx, f"{node.name}_shape", np.asarray(part_dst, np.int64))]
             pieces.append(emit(self.ir, self.ctx, node.op, inputs, hint=node.name or node.op, dtype=node.outputs[0].dtype,
                                shape=part_dst, attrs=dict(node.attrs)))
         self.stats["moved"] += 1

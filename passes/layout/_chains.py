@@ -31,8 +31,8 @@ from qnnpasses.passmanager.rewrite import (
     emit_transpose,
     input_value,
     is_constant,
-    only_consumer,
-    redirect,
+    replace_all_uses,
+    single_consumer,
     static_shape,
 )
 
@@ -54,7 +54,7 @@ def _is_mover(node: gs.Node) -> bool:
 def _chain_from(graph: gs.Graph, start: gs.Node) -> list[gs.Node]:
     chain = [start]
     while len(chain) < MAX_CHAIN:
-        nxt = only_consumer(graph, chain[-1].outputs[0])
+        nxt = single_consumer(chain[-1].outputs[0], graph)
         if nxt is None or not _is_mover(nxt) or nxt.inputs[0] is not chain[-1].outputs[0]:
             break
         chain.append(nxt)
@@ -64,7 +64,7 @@ def _chain_from(graph: gs.Graph, start: gs.Node) -> list[gs.Node]:
 def _is_chain_start(graph: gs.Graph, node: gs.Node) -> bool:
     src = node.inputs[0]
     prev = src.inputs[0] if src.inputs else None
-    return prev is None or not _is_mover(prev) or only_consumer(graph, src) is not node
+    return prev is None or not _is_mover(prev) or single_consumer(src, graph) is not node
 
 
 def find_chains(graph: gs.Graph) -> list[list[gs.Node]]:
@@ -104,7 +104,7 @@ def emit_form(ir: IRModel, ctx: PassContext, x: gs.Tensor, form: Form, hint: str
 def _replace(ir: IRModel, ctx: PassContext, chain: list[gs.Node], form: Form) -> None:
     x, y = chain[0].inputs[0], chain[-1].outputs[0]
     new = emit_form(ir, ctx, x, form, hint=chain[-1].name or "chain")
-    redirect(ir.graph, y, new)
+    replace_all_uses(ir.graph, y, new, via_identity=True)
     for node in chain:
         node.inputs.clear()
         node.outputs.clear()

@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext
-from qnnpasses.passmanager.rewrite import normalize_axis, redirect, static_shape
+from qnnpasses.passmanager.rewrite import normalize_axis, replace_all_uses, static_shape
 
 _FLOAT_MANTISSA = {np.dtype(np.float16): 11, np.dtype(np.float32): 24, np.dtype(np.float64): 53}
 
@@ -94,7 +94,7 @@ def rewrite_identity(ir: IRModel, ctx: PassContext, stats: dict, notes: list) ->
             source = _cast_source(node)
         if source is None:
             continue
-        redirect(graph, node.outputs[0], source)
+        replace_all_uses(graph, node.outputs[0], source, via_identity=True)
         node.inputs.clear()
         node.outputs.clear()
         key = f"identity_{node.op.lower()}"

@@ -24,11 +24,11 @@ import onnx_graphsurgeon as gs
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
-    constant,
     constant_value,
     emit_reshape,
     input_value,
     is_constant,
+    make_constant,
     static_shape,
     swap,
 )
@@ -186,7 +186,7 @@ def _flat_version(ir: IRModel, ctx: PassContext, region: _Region, t: gs.Tensor) 
 
 
 def _int64(ir: IRModel, ctx: PassContext, prefix: str, values) -> gs.Constant:
-    return constant(ir, ctx, prefix, np.asarray(values, dtype=np.int64))
+    return make_constant(ir, ctx, prefix, np.asarray(values, dtype=np.int64))
 
 
 def _retarget(ir: IRModel, ctx: PassContext, consumer: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
@@ -214,7 +214,7 @@ def _fix_node(ir: IRModel, ctx: PassContext, node: gs.Node) -> None:
     for i, t in enumerate(node.inputs):
         value = input_value(node, i) if is_constant(t) else None
         if value is not None and value.ndim > 2:
-            node.inputs[i] = constant(ir, ctx, f"{t.name}_2d", value.reshape(value.shape[-2:]))
+            node.inputs[i] = make_constant(ir, ctx, f"{t.name}_2d", value.reshape(value.shape[-2:]))
 
 
 def rewrite_rows(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -> int:

@@ -24,13 +24,13 @@ from qnnpasses.passes.layout._rows import ELEMENTWISE, REDUCE
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
-    constant,
     constant_value,
     input_value,
     is_constant,
+    make_constant,
     normalize_axis,
-    only_consumer,
-    redirect,
+    replace_all_uses,
+    single_consumer,
     swap,
 )
 
@@ -77,7 +77,7 @@ def _path(graph: gs.Graph, tnode: gs.Node, opset: int) -> tuple[list[gs.Node], g
     perm = _perm(tnode, len(tnode.outputs[0].shape or []))
     t, path = tnode.outputs[0], []
     while len(path) < MAX_PATH:
-        nxt = only_consumer(graph, t)
+        nxt = single_consumer(t, graph)
         if nxt is None or not _passable(nxt, t, perm, opset):
             return (path, nxt) if path else None
         path.append(nxt)
@@ -96,7 +96,7 @@ def _permuted_constant(ir: IRModel, ctx: PassContext, tensor: gs.Tensor, perm: l
     if value.ndim == 0:
         return tensor
     full = value.reshape((1,) * (len(perm) - value.ndim) + value.shape)
-    return constant(ir, ctx, f"{tensor.name}_perm", full.transpose(np.argsort(perm)))
+    return make_constant(ir, ctx, f"{tensor.name}_perm", full.transpose(np.argsort(perm)))
 
 
 def _sink(ir: IRModel, ctx: PassContext, tnode: gs.Node, path: list[gs.Node], end: gs.Node | None) -> None:
@@ -114,7 +114,7 @@ def _sink(ir: IRModel, ctx: PassContext, tnode: gs.Node, path: list[gs.Node], en
     if end is not None and end.op == "Transpose" and end.inputs[0] is last:
         merged = [perm[i] for i in _perm(end, rank)]
         if merged == list(range(rank)):
-            redirect(ir.graph, end.outputs[0], last)
+            replace_all_uses(ir.graph, end.outputs[0], last, via_identity=True)
             end.inputs.clear()
             end.outputs.clear()
         else:
@@ -150,7 +150,7 @@ def rewrite_norm_axis(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -
         if axis is None or axis == rank - 1:
             continue
         tnode = x.inputs[0] if x.inputs else None
-        if tnode is None or tnode.op != "Transpose" or only_consumer(ir.graph, x) is not node:
+        if tnode is None or tnode.op != "Transpose" or single_consumer(x, ir.graph) is not node:
             if ctx.verbose:
                 notes.append(f"norm_axis: {node.name} normalizes axis {axis} of {rank}, not from a Transpose: kept")
             continue

@@ -34,14 +34,14 @@ from qnnpasses.ir.index_map import index_map
 from qnnpasses.ir.model import IRModel, derived_from
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
-    constant,
     constant_value,
     emit,
     input_value,
     is_constant,
+    make_constant,
     normalize_axis,
-    only_consumer,
-    redirect,
+    replace_all_uses,
+    single_consumer,
     static_shape,
 )
 
@@ -74,7 +74,7 @@ def projection_of(graph: gs.Graph, tensor: gs.Tensor) -> Projection | None:
     if node.op == "Add":
         inner = [t for t in node.inputs if not is_constant(t)]
         bias = next((constant_value(t) for t in node.inputs if is_constant(t)), None)
-        if len(inner) != 1 or bias is None or only_consumer(graph, inner[0]) is not node:
+        if len(inner) != 1 or bias is None or single_consumer(inner[0], graph) is not node:
             return None
         base = projection_of(graph, inner[0])
         if base is None or base.bias is not None or bias.ndim > 1 and np.prod(bias.shape[:-1]) != 1:
@@ -106,11 +106,11 @@ def emit_projection(ir: IRModel, ctx: PassContext, proj: Projection, transform, 
     values = derived_from(proj.w, transform)
     weight = gs.Constant(ctx.unique_name(ir, f"{hint}_w"), values)
     if proj.gemm and len(weight.shape) == 2:
-        inputs = [proj.x, weight] + ([constant(ir, ctx, f"{hint}_b", bias)] if bias is not None else [])
+        inputs = [proj.x, weight] + ([make_constant(ir, ctx, f"{hint}_b", bias)] if bias is not None else [])
         return emit(ir, ctx, "Gemm", inputs, hint=hint, dtype=dtype, shape=shape)
     out = emit(ir, ctx, "MatMul", [proj.x, weight], hint=hint, dtype=dtype, shape=shape)
     if bias is not None:
-        out = emit(ir, ctx, "Add", [out, constant(ir, ctx, f"{hint}_b", bias)], hint=f"{hint}_bias",
+        out = emit(ir, ctx, "Add", [out, make_constant(ir, ctx, f"{hint}_b", bias)], hint=f"{hint}_bias",
                    dtype=dtype, shape=shape)
     return out
 
@@ -165,7 +165,7 @@ def rewrite_split_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) 
             bias = None if proj.bias is None else proj.bias[lo:hi]
             new = emit_projection(ir, ctx, proj, lambda w, lo=lo, hi=hi: w[:, lo:hi], bias, target.shape,
                                   hint=f"{node.name}_{lo}")
-            redirect(ir.graph, target, new)
+            replace_all_uses(ir.graph, target, new, via_identity=True)
         stats["split_proj"] = stats.get("split_proj", 0) + 1
         done += 1
     return done
@@ -177,7 +177,7 @@ def rewrite_split_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) 
 def _movers_after(graph: gs.Graph, tensor: gs.Tensor) -> list[gs.Node]:
     chain = []
     while len(chain) < 4:
-        nxt = only_consumer(graph, tensor)
+        nxt = single_consumer(tensor, graph)
         if nxt is None or nxt.op not in ("Reshape", "Transpose") or nxt.inputs[0] is not tensor:
             break
         if nxt.op == "Reshape" and input_value(nxt, 1) is None:
@@ -220,7 +220,7 @@ def rewrite_head_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -
             new = emit_projection(ir, ctx, proj,
                                   lambda w, k=k, h=h, d=d, lead=lead: w.reshape(k, h, d).transpose(1, 0, 2).reshape(lead + (h, k, d)),
                                   bias, y.shape, hint=f"{node.name}_heads")
-            redirect(ir.graph, y, new)
+            replace_all_uses(ir.graph, y, new, via_identity=True)
             stats["head_proj"] = stats.get("head_proj", 0) + 1
             done += 1
             break
@@ -249,7 +249,7 @@ def rewrite_weight_transposes(ir: IRModel, ctx: PassContext, stats: dict, notes:
                 node.attrs[flag] = 1 - node.attrs.get(flag, 0)
                 node.inputs[index] = tnode.inputs[0]
             else:
-                node.inputs[index] = constant(ir, ctx, f"{tensor.name}_folded", value.transpose(perm))
+                node.inputs[index] = make_constant(ir, ctx, f"{tensor.name}_folded", value.transpose(perm))
             stats["weights_folded"] = stats.get("weights_folded", 0) + 1
             done += 1
     return done

@@ -29,7 +29,7 @@ from qnnpasses.ir.checks import refresh_shapes
 from qnnpasses.ir.index_map import index_map
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, FOLDED, NO_GATHERND, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import finish, input_value, redirect, static_shape
+from qnnpasses.passmanager.rewrite import finish, input_value, replace_all_uses, static_shape
 
 GENERAL_COST = 3  # forms costing fewer ops than Reshape + Gather (+ Reshape) are preferred
 
@@ -91,7 +91,7 @@ class GatherNDToGather(Pass):
                 notes.append(f"{node.name}: kept, {why}")
                 continue
             new = emit_form(ir, ctx, node.inputs[0], form, hint=node.name or "gathernd")
-            redirect(ir.graph, node.outputs[0], new)
+            replace_all_uses(ir.graph, node.outputs[0], new, via_identity=True)
             node.inputs.clear()
             node.outputs.clear()
             stats["rewritten"] += 1

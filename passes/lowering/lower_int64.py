@@ -174,7 +174,7 @@ class LowerInt64(Pass):
         lowering, notes = Lowering(ir, ctx, self.options.inputs), []
         lowering.lower_index_constants()
         before = len(ir.graph.nodes)
-        ir.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        finish(ir)
         if len(ir.graph.nodes) != before:
             lowering.stats["dead_nodes_removed"] = before - len(ir.graph.nodes)
         input_ranges = {t.name: INT32 for t in ir.graph.inputs if is_int64(t)} if self.options.inputs else {}

@@ -44,21 +44,10 @@ def static_dim(tensor: gs.Tensor, axis: int) -> int | None:
     return dim if isinstance(dim, int) and dim >= 0 else None
 
 
-def const_value(tensor: gs.Tensor | None) -> np.ndarray | None:
-    """``constant_value`` that also sees through Identity nodes (the TorchScript exporter
-    shares equal initializers, e.g. every freshly initialized norm weight, via Identity)."""
-    for _ in range(8):
-        node = tensor.inputs[0] if tensor is not None and tensor.inputs else None
-        if node is None or node.op != "Identity":
-            break
-        tensor = node.inputs[0]
-    return constant_value(tensor)
-
-
 def reduce_axes(node: gs.Node) -> list[int] | None:
     """The axes of a Reduce* node (attribute before opset 18, constant input after); None if unknown."""
     if len(node.inputs) > 1 and node.inputs[1].name:
-        value = const_value(node.inputs[1])
+        value = constant_value(node.inputs[1], through_identity=True)
         return None if value is None else [int(a) for a in value.ravel()]
     axes = node.attrs.get("axes")
     return None if axes is None else [int(a) for a in axes]

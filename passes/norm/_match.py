@@ -17,7 +17,6 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from qnnpasses.passes.norm._graph import (
     cast_target,
-    const_value,
     follow_noop_casts,
     is_noop_cast,
     reduce_axes,
@@ -26,9 +25,11 @@ from qnnpasses.passes.norm._graph import (
 )
 
 from qnnpasses.passmanager.rewrite import (
+    constant_value,
     other_input,
     producer,
     producer_op,
+    scalar,
     single_consumer,
 )
 
@@ -50,19 +51,11 @@ class NormMatch:
     nodes: list[gs.Node] = field(default_factory=list)
 
 
-def scalar(tensor: gs.Tensor | None) -> float | None:
-    """The single value of a constant (through Identity), else None."""
-    value = const_value(tensor)
-    if value is None or value.size == 0 or not np.all(value.ravel() == value.ravel()[0]):
-        return None
-    return float(value.ravel()[0])
-
-
 def squared_operand(node: gs.Node | None) -> gs.Tensor | None:
     """``v`` for ``Pow(v, 2)`` or ``Mul(v, v)``."""
     if node is None:
         return None
-    if node.op == "Pow" and scalar(node.inputs[1]) == 2.0:
+    if node.op == "Pow" and scalar(node.inputs[1], through_identity=True) == 2.0:
         return node.inputs[0]
     if node.op == "Mul" and node.inputs[0] is node.inputs[1]:
         return node.inputs[0]
@@ -72,7 +65,7 @@ def squared_operand(node: gs.Node | None) -> gs.Tensor | None:
 def _match_tail(reduce: gs.Node, v: gs.Tensor, graph: gs.Graph) -> tuple[float, gs.Tensor, list[gs.Node]] | str:
     """From the mean of squares to ``v / sqrt(. + eps)``: (eps, normalized, nodes)."""
     add = single_consumer(reduce.outputs[0], graph)
-    eps = scalar(other_input(add, reduce.outputs[0])) if add is not None and add.op == "Add" else None
+    eps = scalar(other_input(add, reduce.outputs[0]), through_identity=True) if add is not None and add.op == "Add" else None
     if eps is None or eps < 0:
         return "mean of squares is not followed by Add(constant eps)"
     sqrt = single_consumer(add.outputs[0], graph)
@@ -83,7 +76,7 @@ def _match_tail(reduce: gs.Node, v: gs.Tensor, graph: gs.Graph) -> tuple[float, 
     if inv is not None and inv.op == "Div" and inv.inputs[0] is v and inv.inputs[1] is sqrt.outputs[0]:
         return eps, inv.outputs[0], nodes + [inv]
     is_recip = inv is not None and (inv.op == "Reciprocal" or (
-        inv.op == "Div" and inv.inputs[1] is sqrt.outputs[0] and scalar(inv.inputs[0]) == 1.0))
+        inv.op == "Div" and inv.inputs[1] is sqrt.outputs[0] and scalar(inv.inputs[0], through_identity=True) == 1.0))
     if not is_recip:
         return "Sqrt is not followed by Div(v, .), Div(1, .) or Reciprocal"
     mul = single_consumer(inv.outputs[0], graph)
@@ -94,7 +87,7 @@ def _match_tail(reduce: gs.Node, v: gs.Tensor, graph: gs.Graph) -> tuple[float, 
 
 def _per_channel(node: gs.Node, tensor: gs.Tensor, n: int | None, rank: int | None) -> np.ndarray | None:
     """The constant other operand of ``node`` as a [N] vector, if it only varies along the last axis."""
-    value = const_value(other_input(node, tensor))
+    value = constant_value(other_input(node, tensor), through_identity=True)
     if value is None or value.dtype.kind != "f":
         return None
     if rank is not None and value.ndim > rank:

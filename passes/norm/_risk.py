@@ -14,39 +14,23 @@ from typing import Iterable
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.norm._graph import const_value
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.rewrite import producer
+from qnnpasses.passmanager.probe import intermediate_values
+from qnnpasses.passmanager.rewrite import constant_value, producer
 
 #: Ops that move values around without changing them.
 _TRANSPARENT = ("Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Flatten")
 
 
-def calibration_samples(ctx, limit: int) -> list[dict[str, np.ndarray]]:
-    """Up to ``limit`` input dicts from ``ctx.calibration``, keeping a one-shot iterable reusable."""
-    if ctx.calibration is None:
-        return []
-    if not isinstance(ctx.calibration, (list, tuple)):
-        ctx.calibration = list(ctx.calibration)  # later passes must still see every sample
-    return list(ctx.calibration[:limit])
-
-
 def max_abs_values(ir: IRModel, names: Iterable[str], samples: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """Max |value| of each named tensor over ``samples``, running a copy of the graph on CPU."""
-    from qnnpasses.backends.cpu import run_cpu
-
-    probe = ir.copy()
-    tensors = probe.graph.tensors()
-    wanted = [tensors[n] for n in dict.fromkeys(names) if n in tensors and tensors[n].dtype is not None]
-    probe.graph.outputs = list(probe.graph.outputs) + [t for t in wanted if t not in probe.graph.outputs]
-    result = {t.name: 0.0 for t in wanted}
-    for sample in samples:
-        outputs = run_cpu(probe, sample)
-        for t in wanted:
-            value = np.abs(np.asarray(outputs[t.name], dtype=np.float64))
+    result: dict[str, float] = {}
+    for values in intermediate_values(ir, names, samples):
+        for name, value in values.items():
+            value = np.abs(np.asarray(value, dtype=np.float64))
             finite = value[np.isfinite(value)]
-            result[t.name] = max(result[t.name], float(finite.max()) if finite.size else float("inf"))
+            result[name] = max(result.get(name, 0.0), float(finite.max()) if finite.size else float("inf"))
     return result
 
 
@@ -59,13 +43,13 @@ def in_residual_stream(tensor: gs.Tensor) -> bool:
         if node.op in _TRANSPARENT:
             tensor = node.inputs[0]
             continue
-        variable = [t for t in node.inputs if const_value(t) is None]
+        variable = [t for t in node.inputs if constant_value(t, through_identity=True) is None]
         if node.op in ("Add", "Sub", "Sum") and len(variable) == 1:
             tensor = variable[0]  # a bias (or position table) added to one stream: look through it
             continue
         if node.op in ("Add", "Sum"):
             return len(variable) >= 2
-        return node.op in ("Gather", "GatherND", "GatherElements") and const_value(node.inputs[0]) is not None
+        return node.op in ("Gather", "GatherND", "GatherElements") and constant_value(node.inputs[0], through_identity=True) is not None
     return False
 
 

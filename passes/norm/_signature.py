@@ -14,9 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.norm._graph import const_value
 
-from qnnpasses.passmanager.rewrite import producer
+from qnnpasses.passmanager.rewrite import constant_value, producer
 
 _BINARY: dict[str, Callable] = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
 _UNARY: dict[str, Callable] = {"Neg": np.negative, "Identity": lambda a: a, "Sqrt": np.sqrt}
@@ -40,7 +39,7 @@ def elementwise_function(root: gs.Tensor, variables: Sequence[gs.Tensor], max_no
         if id(tensor) in index:
             i = index[id(tensor)]
             return lambda args: args[i]
-        value = const_value(tensor)
+        value = constant_value(tensor, through_identity=True)
         if value is not None:
             if value.size != 1 or value.dtype.kind not in "fi":
                 return None
@@ -82,7 +81,7 @@ def find_variable(root: gs.Tensor, reference: Callable, max_candidates: int = 12
     queue, seen = [root], set()
     while queue and len(seen) < max_candidates:
         tensor = queue.pop(0)
-        if id(tensor) in seen or const_value(tensor) is not None:
+        if id(tensor) in seen or constant_value(tensor, through_identity=True) is not None:
             continue
         seen.add(id(tensor))
         if tensor is not root and computes(elementwise_function(root, [tensor]), reference, [SAMPLES_X]):

@@ -26,7 +26,6 @@ from qnnpasses.op_support.capability import htp_runs_norm
 from qnnpasses.passes.norm._graph import (
     Replacements,
     binary,
-    const_value,
     make_reduce,
     plain_normalize,
     rank,
@@ -35,7 +34,7 @@ from qnnpasses.passes.norm._graph import (
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, NORMS_FINAL, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import finish, make_constant, make_node
+from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, make_node
 
 
 @register_pass
@@ -100,7 +99,7 @@ class DecomposeLayerNorm(Pass):
         if not all(isinstance(d, int) and d >= 0 for d in dims):
             return None
         inner = int(np.prod(dims[axis:]))
-        params = [const_value(t) if t.name else None for t in node.inputs[1:]]
+        params = [constant_value(t, through_identity=True) if t.name else None for t in node.inputs[1:]]
         if any(p is None for p, t in zip(params, node.inputs[1:]) if t.name):
             return None
         flat = [make_constant(ir, ctx, "layernorm_param", np.broadcast_to(p, dims[axis:]).reshape(inner).copy())

@@ -37,12 +37,7 @@ from qnnpasses.passes.norm._graph import (
 )
 from qnnpasses.passes.norm._match import NormMatch, find_norms
 from qnnpasses.passes.norm._ranges import Bound, RangeAnalysis, square_can_overflow
-from qnnpasses.passes.norm._risk import (
-    calibration_samples,
-    in_residual_stream,
-    max_abs_values,
-    out_of_fp16_square_range,
-)
+from qnnpasses.passes.norm._risk import in_residual_stream, max_abs_values, out_of_fp16_square_range
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
@@ -55,6 +50,7 @@ from qnnpasses.passmanager.api import (
     PassResult,
     register_pass,
 )
+from qnnpasses.passmanager.probe import calibration_samples
 from qnnpasses.passmanager.rewrite import (
     finish,
     make_node,

@@ -173,7 +173,7 @@ def _resolved_shapes(ir: IRModel, overrides: dict[str, list[int]]) -> tuple[dict
     """``name -> (shape, dtype)``; from the IR when complete, else by inference on static inputs.
 
     ONNX shape inference (with data propagation) runs first; onnxruntime's symbolic
-    inference, then onnxsim's constant folding, fill what is still unknown.  Any may fail
+    inference, then our constant folder, fill what is still unknown.  Any may fail
     on an exotic graph: the analysis then degrades to the shapes it has, it does not fail.
     """
     variables = [t for t in ir.graph.tensors().values() if isinstance(t, gs.Variable)]
@@ -222,15 +222,19 @@ def _ort_symbolic_inference(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _folded_inference(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """Shapes after onnxsim folded the shape arithmetic (weights are inputs here, never folded).
+    """Shapes after the project's constant folder (``simplify``'s) folded the shape arithmetic
+    (weights are inputs here, never folded).
 
     Tensors it folded into constants keep their names as initializers; they become
     value infos so their sizes are known too.
     """
-    import onnxsim
+    from qnnpasses.ir.checks import infer_proto
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.passes.fold.simplify import fold_to_fixed_point
 
-    simplified, _ = onnxsim.simplify(proto, skip_fuse_bn=True)
-    inferred = onnx.shape_inference.infer_shapes(simplified)
+    ir = load_model(proto)
+    fold_to_fixed_point(ir)
+    inferred = infer_proto(ir.to_proto()[0])
     for tensor in inferred.graph.initializer:
         inferred.graph.value_info.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     return inferred

@@ -7,10 +7,12 @@ and shapes back into the graph so that passes can read them from tensors.
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.model import IRModel, stub_index
+from qnnpasses.ir.model import IRModel, export_with_stubs, stub_index
 
 # Domains whose operators onnxruntime knows even where onnx has no schema for them.
 KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training", "com.microsoft.nchwc"})
@@ -21,19 +23,21 @@ def check_model(ir: IRModel, *, refresh: bool = False) -> str | None:
 
     With ``refresh`` the inferred dtypes and shapes are written back into the graph.
     """
-    proto, _ = ir.to_proto()
-    problem, inferred = check_proto(proto)
+    proto, _ = export_with_stubs(ir, value_infos=False)  # inference starts from scratch anyway
+    problem, inferred = check_proto(proto, copy=False)
     if problem is None and refresh:
         _apply_inferred(ir, inferred)
     return problem
 
 
-def check_proto(proto: onnx.ModelProto) -> tuple[str | None, onnx.ModelProto | None]:
-    """The checker, then strict shape inference; returns the problem or the inferred model."""
+def check_proto(proto: onnx.ModelProto, *, copy: bool = True) -> tuple[str | None, onnx.ModelProto | None]:
+    """The checker, then strict shape inference; returns the problem or the inferred model.
+
+    ``copy=False`` lets the check rewrite ``proto`` itself (a proto made only for it)."""
     unknown = _unknown_operator(proto)
     if unknown:
         return unknown, None
-    proto = _runtime_ops_out_of_default_domain(stubs_as_inputs(proto))
+    proto = _runtime_ops_out_of_default_domain(stubs_as_inputs(proto, copy=copy))
     try:
         onnx.checker.check_model(proto)
     except Exception as exc:  # ValidationError, or other types the C++ checker raises on odd protos
@@ -61,12 +65,17 @@ _RUNTIME_DOMAIN = "qnnpasses.onnxruntime"
 
 def runtime_only_ops(proto: onnx.ModelProto) -> dict[str, int]:
     """Default-domain operators onnx does not know but onnxruntime runs -> how many nodes use each."""
-    known = _onnxruntime_default_ops()
     found: dict[str, int] = {}
     for node in _walk_nodes(proto.graph):
-        if node.domain in ("", "ai.onnx") and node.op_type in known and not onnx.defs.has(node.op_type):
+        if node.domain in ("", "ai.onnx") and _runtime_only(node.op_type):
             found[node.op_type] = found.get(node.op_type, 0) + 1
     return found
+
+
+@functools.cache
+def _runtime_only(op_type: str) -> bool:
+    # onnx's schemas first: onnxruntime's (an import of seconds) only for an op onnx does not know
+    return not onnx.defs.has(op_type) and op_type in _onnxruntime_default_ops()
 
 
 _ORT_DEFAULT_OPS: frozenset[str] | None = None
@@ -88,9 +97,8 @@ def _onnxruntime_default_ops() -> frozenset[str]:
 def _runtime_ops_out_of_default_domain(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not runtime_only_ops(proto):
         return proto
-    known = _onnxruntime_default_ops()
     for node in _walk_nodes(proto.graph):
-        if node.domain in ("", "ai.onnx") and node.op_type in known and not onnx.defs.has(node.op_type):
+        if node.domain in ("", "ai.onnx") and _runtime_only(node.op_type):
             node.domain = _RUNTIME_DOMAIN
     proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
     return proto
@@ -107,8 +115,8 @@ def _walk_nodes(graph: onnx.GraphProto):
                     yield from _walk_nodes(g)
 
 
-def stubs_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy in which stubbed initializers are typed graph inputs instead.
+def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelProto:
+    """A copy (``proto`` itself with ``copy=False``) in which stubbed initializers are typed graph inputs instead.
 
     The checker insists that external data files exist; stubs point nowhere on
     purpose.  As inputs (stubbed Constant nodes too) they keep dtype and shape,
@@ -116,8 +124,10 @@ def stubs_as_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
     Intermediate value infos are dropped so inference starts from scratch and stale
     infos left by a rewrite cannot poison it.
     """
-    clone = onnx.ModelProto()
-    clone.CopyFrom(proto)
+    clone = proto
+    if copy:
+        clone = onnx.ModelProto()
+        clone.CopyFrom(proto)
     graph = clone.graph
     del graph.value_info[:]
     input_names = {i.name for i in graph.input}
@@ -154,26 +164,35 @@ def infer_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def refresh_shapes(ir: IRModel) -> None:
     """Re-run shape inference and set dtype and shape on every intermediate tensor."""
-    proto, _ = ir.to_proto()
-    _apply_inferred(ir, infer_proto(proto))
+    proto, _ = export_with_stubs(ir, value_infos=False)  # inferred from scratch anyway
+    _apply_inferred(ir, onnx.shape_inference.infer_shapes(stubs_as_inputs(proto, copy=False), data_prop=True))
 
 
 def _apply_inferred(ir: IRModel, inferred: onnx.ModelProto) -> None:
     infos = {vi.name: vi for vi in inferred.graph.value_info}
     graph_io = {t.name for t in ir.graph.inputs} | {t.name for t in ir.graph.outputs}
-    for name, tensor in ir.graph.tensors().items():
-        if not isinstance(tensor, gs.Variable) or name in graph_io:
-            continue
-        info = infos.get(name)
-        if info is None or not info.type.HasField("tensor_type"):
-            continue
-        ttype = info.type.tensor_type
-        if ttype.elem_type:
-            tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type) if ttype.elem_type not in _NON_NUMPY else ttype.elem_type
-        if ttype.HasField("shape"):
-            tensor.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in ttype.shape.dim]
-        else:
-            tensor.shape = None
+    dtypes: dict[int, object] = {}
+    seen: set[int] = set()
+    for node in ir.graph.nodes:  # every intermediate tensor, without building graph.tensors()'s name map
+        for tensor in (*node.inputs, *node.outputs):
+            if id(tensor) in seen or not isinstance(tensor, gs.Variable) or not tensor.name or tensor.name in graph_io:
+                continue
+            seen.add(id(tensor))
+            info = infos.get(tensor.name)
+            if info is not None and info.type.HasField("tensor_type"):
+                _set_type(tensor, info.type.tensor_type, dtypes)
+
+
+def _set_type(tensor: gs.Variable, ttype, dtypes: dict[int, object]) -> None:
+    if ttype.elem_type:
+        if ttype.elem_type not in dtypes:
+            dtypes[ttype.elem_type] = (ttype.elem_type if ttype.elem_type in _NON_NUMPY
+                                       else onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+        tensor.dtype = dtypes[ttype.elem_type]
+    if ttype.HasField("shape"):
+        tensor.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in ttype.shape.dim]
+    else:
+        tensor.shape = None
 
 
 _NON_NUMPY = {onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2}

@@ -20,9 +20,11 @@ from typing import Iterator, Union
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_import_domains
+from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from qnnpasses.errors import BadInputError
+from qnnpasses.ir.graph_ops import copy_graph
 
 # Constants at least this large become stubs when the graph is exported for analysis.
 STUB_THRESHOLD_BYTES = 1024
@@ -164,7 +166,7 @@ class IRModel:
     def copy(self) -> "IRModel":
         """A structural copy for rollback; constant arrays are shared, never mutated in place."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        graph = self.graph.copy()
+        graph = copy_graph(self.graph)
         # graphsurgeon's copy shares the opset-import objects: a pass that raises an
         # opset in place must not change the rollback copy too
         graph.import_domains = copy.deepcopy(self.graph.import_domains)
@@ -226,15 +228,32 @@ def _external_key(tensor: onnx.TensorProto) -> tuple:
     return (tensor.name, tuple((e.key, e.value) for e in tensor.external_data))
 
 
+def _tensor_lists(graph: gs.Graph) -> Iterator[list[gs.Tensor]]:
+    """The graph's inputs, every node's inputs and outputs, and the graph's outputs, in
+    the order ``graph.tensors()`` visits them."""
+    yield graph.inputs
+    for node in graph.nodes:
+        yield node.inputs
+        yield node.outputs
+    yield graph.outputs
+
+
 def _constants_with_attributes(graph: gs.Graph) -> Iterator[gs.Constant]:
-    """Initializers and the tensors held in node attributes (Constant nodes' ``value``)."""
-    for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Constant):
-            yield tensor
+    """Initializers and the tensors held in node attributes (Constant nodes' ``value``).
+
+    One walk over the nodes (``graph.tensors()`` would build a name map each call)."""
+    seen: set[int] = set()
+    attributes = []
+    for tensors in _tensor_lists(graph):
+        for tensor in tensors:
+            if isinstance(tensor, gs.Constant) and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield tensor
     for node in graph.nodes:
         for value in node.attrs.values():
             if isinstance(value, gs.Constant):
-                yield value
+                attributes.append(value)
+    yield from attributes
 
 
 def _one_line(exc: BaseException) -> str:
@@ -270,12 +289,15 @@ def _onnx_dtype(tensor: gs.Constant) -> int:
     return onnx.helper.np_dtype_to_tensor_dtype(values.dtype)
 
 
-def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES) -> tuple[onnx.ModelProto, list[Source]]:
+def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
+                      value_infos: bool = True) -> tuple[onnx.ModelProto, list[Source]]:
     """``ModelProto`` of the IR in which constants of ``threshold`` bytes or more are stubs.
 
     A stub is an external-data tensor whose location is ``qnnpasses-source:<i>``; the
     returned list holds source ``i``.  The checker and shape inference read only dims
     and dtypes of such tensors, so the proto stays small whatever the weight size.
+    ``value_infos=False`` leaves out the intermediate tensors' types and shapes (the main
+    graph's): what a check that re-infers them from scratch needs, at about half the cost.
     """
     sources: list[Source] = []
     swapped: list[tuple[gs.Constant, object]] = []
@@ -293,7 +315,7 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES) -> tup
                 sources.append(_source_of(tensor))
                 swapped.append((tensor, tensor._values))
                 tensor._values = _StubValues(stub)
-        proto = gs.export_onnx(ir.graph, do_type_check=False)
+        proto = gs.export_onnx(ir.graph, do_type_check=False) if value_infos else _export_without_value_infos(ir.graph)
     finally:
         for tensor, values in swapped:
             tensor._values = values
@@ -307,6 +329,37 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES) -> tup
     for key, value in ir.metadata_props.items():
         proto.metadata_props.add(key=key, value=value)
     return proto, sources
+
+
+def _export_without_value_infos(graph: gs.Graph) -> onnx.ModelProto:
+    """``gs.export_onnx`` minus the main graph's intermediate value infos."""
+    exporter = OnnxExporter
+    constants = list(_initializers(graph))
+    onnx_graph = onnx.helper.make_graph(
+        nodes=[exporter.export_node(node) for node in graph.nodes],
+        name=graph.name,
+        inputs=[exporter.export_value_info_proto(t, False) for t in graph.inputs],
+        outputs=[exporter.export_value_info_proto(t, False) for t in graph.outputs],
+        initializer=[exporter.export_tensor_proto(t) for t in constants if not isinstance(t._values, SparseValues)],
+        sparse_initializer=[exporter.export_sparse_tensor_proto(t) for t in constants if isinstance(t._values, SparseValues)],
+        doc_string=graph.doc_string,
+    )
+    model = onnx.helper.make_model(onnx_graph, functions=[exporter.export_function(f) for f in graph.functions],
+                                   opset_imports=update_import_domains(graph))
+    model.producer_name, model.producer_version = graph.producer_name, graph.producer_version
+    if graph.ir_version is not None:
+        model.ir_version = graph.ir_version
+    return model
+
+
+def _initializers(graph: gs.Graph) -> Iterator[gs.Constant]:
+    """The graph's initializers (by name, as graphsurgeon exports them; no attribute tensors)."""
+    by_name: dict[str, gs.Constant] = {}
+    for tensors in _tensor_lists(graph):
+        for tensor in tensors:
+            if isinstance(tensor, gs.Constant) and tensor.name:
+                by_name[tensor.name] = tensor
+    return iter(by_name.values())
 
 
 def stub_index(tensor: onnx.TensorProto) -> int | None:

@@ -20,8 +20,8 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
 
-#: Folding without the onnxsim worker: same graph on every fixture, no 2-6 s start-up.
-SIMPLIFY = "simplify{use_onnxsim=false}"
+#: The pipeline lint folds with before reading shapes.
+SIMPLIFY = "simplify"
 #: The usual weight limit of one HTP graph / context binary (and protobuf's 2 GiB).
 DEFAULT_MAX_GRAPH_WEIGHT_BYTES = 2 << 30
 

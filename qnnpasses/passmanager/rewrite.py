@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from qnnpasses.ir.graph_ops import finish_graph
 from qnnpasses.ir.model import DerivedValues, IRModel
 from qnnpasses.passmanager.api import PassContext
 
@@ -36,8 +37,18 @@ def single_consumer(tensor: gs.Tensor, graph: gs.Graph | None = None) -> gs.Node
     return tensor.outputs[0]
 
 
-def constant_value(tensor: gs.Tensor | None) -> np.ndarray | None:
-    """The value of a tensor known at rewrite time: an initializer or a Constant node's output."""
+def constant_value(tensor: gs.Tensor | None, *, through_identity: bool = False) -> np.ndarray | None:
+    """The value of a tensor known at rewrite time: an initializer or a Constant node's output.
+
+    With ``through_identity`` it also looks through chains of Identity nodes (the TorchScript
+    exporter shares equal initializers, e.g. every freshly initialized norm weight, via Identity).
+    """
+    if through_identity:
+        for _ in range(8):
+            node = producer(tensor) if tensor is not None else None
+            if node is None or node.op != "Identity":
+                break
+            tensor = node.inputs[0]
     if tensor is None:
         return None
     if isinstance(tensor, gs.Constant):
@@ -77,8 +88,9 @@ def is_scalar_constant(tensor: gs.Tensor | None, expected: float | None = None, 
     return expected is None or bool(np.isclose(float(flat[0]), expected, rtol=rtol, atol=0.0))
 
 
-def scalar(tensor: gs.Tensor | None) -> float | None:
-    value = constant_value(tensor)
+def scalar(tensor: gs.Tensor | None, *, through_identity: bool = False) -> float | None:
+    """The single value of a constant (all its elements equal), else None."""
+    value = constant_value(tensor, through_identity=through_identity)
     if value is None or value.size == 0 or not np.all(value.ravel() == value.ravel()[0]):
         return None
     return float(value.ravel()[0])
@@ -107,14 +119,19 @@ def can_replace(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> bool:
     return not (isinstance(new, gs.Constant) or new in graph.inputs or new in graph.outputs)
 
 
-def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, *, via_identity: bool = False) -> None:
     """Make every consumer of ``old`` (and the graph outputs) read ``new`` instead.
 
     When ``old`` is a graph output, the output keeps its name: ``new`` takes the name
     (and ``old`` gets a fresh one) so that the model's interface does not change.
-    Check :func:`can_replace` first.
+    That is impossible when ``new`` is a graph input, a constant or another output
+    (see :func:`can_replace`): then, with ``via_identity``, ``old`` stays the output,
+    computed by an Identity of ``new``; without it, a ValueError.
     """
     if not can_replace(graph, old, new):
+        if via_identity:
+            _replace_by_identity(graph, old, new)
+            return
         raise ValueError(f"cannot replace graph output '{old.name}' by interface tensor '{new.name}'")
     # Subgraphs capture outer tensors by object, so rewiring consumers covers them too.
     for consumer in list(old.outputs):
@@ -132,8 +149,26 @@ def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
         graph.outputs = [new if t is old else t for t in graph.outputs]
 
 
-def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value: np.ndarray) -> gs.Constant:
-    """A new initializer with a fresh name (0-d values stay 0-d, unlike ``np.ascontiguousarray``)."""
+def _replace_by_identity(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    for consumer in list(old.outputs):
+        swap(consumer.inputs, old, new)
+    for node in list(old.inputs):  # the old producer keeps a dead output in its slot
+        swap(node.outputs, old, gs.Variable(f"{old.name}__dead"))
+    graph.nodes.append(gs.Node("Identity", name=f"{old.name}_identity", inputs=[new], outputs=[old]))
+
+
+def swap(tensors, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Replace ``old`` by ``new`` in a node's inputs or outputs (graphsurgeon rejects slice assignment)."""
+    for index, tensor in enumerate(tensors):
+        if tensor is old:
+            tensors[index] = new
+
+
+def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value) -> gs.Constant:
+    """A new initializer with a fresh name (0-d values stay 0-d, unlike ``np.ascontiguousarray``).
+
+    The array is used as it is when C-contiguous (constant arrays are never mutated in place).
+    """
     array = np.asarray(value)
     if not array.flags.c_contiguous:
         array = array.copy(order="C")
@@ -160,7 +195,7 @@ def drop_nodes(graph: gs.Graph, nodes: Iterable[gs.Node]) -> None:
 
 def finish(ir: IRModel) -> None:
     """Remove what rewrites left unreachable and restore a topological order."""
-    ir.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True).toposort()
+    finish_graph(ir.graph)
 
 
 def last_axis(axis: int, rank: int | None) -> bool:
@@ -189,18 +224,6 @@ def input_value(node: gs.Node, index: int) -> np.ndarray | None:
     return constant_value(node.inputs[index])
 
 
-def only_consumer(graph: gs.Graph, tensor: gs.Tensor) -> gs.Node | None:
-    """The single node reading ``tensor`` (which must not be a graph output)."""
-    if len(tensor.outputs) != 1 or tensor in graph.outputs:
-        return None
-    return tensor.outputs[0]
-
-
-def constant(ir: IRModel, ctx: PassContext, prefix: str, value) -> gs.Constant:
-    """A new initializer; unlike ``rewrite.make_constant`` it keeps 0-d values 0-d."""
-    return gs.Constant(ctx.unique_name(ir, prefix), np.array(value, copy=True, order="C"))
-
-
 def emit(ir: IRModel, ctx: PassContext, op: str, inputs: list[gs.Tensor], *, hint: str, dtype, shape,
          attrs: dict | None = None) -> gs.Tensor:
     """Append one node and return its output (with dtype and shape set)."""
@@ -210,7 +233,7 @@ def emit(ir: IRModel, ctx: PassContext, op: str, inputs: list[gs.Tensor], *, hin
 
 
 def emit_reshape(ir: IRModel, ctx: PassContext, x: gs.Tensor, shape: Sequence[int], hint: str = "reshape") -> gs.Tensor:
-    target = constant(ir, ctx, f"{hint}_shape", np.asarray(shape, dtype=np.int64))
+    target = make_constant(ir, ctx, f"{hint}_shape", np.asarray(shape, dtype=np.int64))
     return emit(ir, ctx, "Reshape", [x, target], hint=hint, dtype=x.dtype, shape=shape)
 
 
@@ -221,38 +244,15 @@ def emit_transpose(ir: IRModel, ctx: PassContext, x: gs.Tensor, perm: Sequence[i
 
 def emit_gather(ir: IRModel, ctx: PassContext, x: gs.Tensor, axis: int, indices: np.ndarray, shape: Sequence[int],
                 hint: str = "gather") -> gs.Tensor:
-    idx = constant(ir, ctx, f"{hint}_indices", np.asarray(indices, dtype=np.int64))
+    idx = make_constant(ir, ctx, f"{hint}_indices", np.asarray(indices, dtype=np.int64))
     return emit(ir, ctx, "Gather", [x, idx], hint=hint, dtype=x.dtype, shape=shape, attrs={"axis": int(axis)})
 
 
 def emit_slice(ir: IRModel, ctx: PassContext, x: gs.Tensor, starts, ends, axes, steps, shape: Sequence[int],
                hint: str = "slice") -> gs.Tensor:
-    consts = [constant(ir, ctx, f"{hint}_{k}", np.asarray(v, dtype=np.int64))
+    consts = [make_constant(ir, ctx, f"{hint}_{k}", np.asarray(v, dtype=np.int64))
               for k, v in (("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps))]
     return emit(ir, ctx, "Slice", [x, *consts], hint=hint, dtype=x.dtype, shape=shape)
-
-
-def swap(tensors, old: gs.Tensor, new: gs.Tensor) -> None:
-    """Replace ``old`` by ``new`` in a node's inputs or outputs (graphsurgeon rejects slice assignment)."""
-    for index, tensor in enumerate(tensors):
-        if tensor is old:
-            tensors[index] = new
-
-
-def redirect(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
-    """Make every reader of ``old`` (and the graph outputs) read ``new``.
-
-    Like ``rewrite.replace_all_uses``, but also when ``new`` cannot take the output's name
-    (a graph input, a constant or another graph output): then an Identity keeps the interface.
-    """
-    if can_replace(graph, old, new):
-        replace_all_uses(graph, old, new)
-        return
-    for consumer in list(old.outputs):
-        swap(consumer.inputs, old, new)
-    for node in list(old.inputs):  # the old producer keeps a dead output in its slot
-        swap(node.outputs, old, gs.Variable(f"{old.name}__dead"))
-    graph.nodes.append(gs.Node("Identity", name=f"{old.name}_identity", inputs=[new], outputs=[old]))
 
 
 def normalize_axis(axis: int, rank: int) -> int:
