@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from .table import load_table, lookup
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 #: Ops that never reach an execution provider (onnxruntime turns them into initializers).
 FOLDED_OPS = {"Constant"}
@@ -506,6 +508,8 @@ def check_graph(graph: gs.Graph, table: dict[str, Any] | str = "htp") -> list[No
 
 def node_dag(graph: gs.Graph) -> nx.DiGraph:
     """The node DAG (node index -> consumer node index) of a graphsurgeon graph."""
+    import networkx as nx  # imported when used: passes read the tables, not the DAG
+
     index = {id(n): i for i, n in enumerate(graph.nodes)}
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(graph.nodes)))
@@ -524,6 +528,8 @@ def predicted_partitions(graph: gs.Graph, results: list[NodeSupport]) -> dict[st
     A lower bound on onnxruntime's partition count: it may split a group further where
     merging it would create a cycle through the other placement.
     """
+    import networkx as nx
+
     dag = node_dag(graph)
     counts = {"htp": 0, "cpu": 0}
     for placement in counts:
