@@ -22,10 +22,11 @@ from qnnpasses.cli import main
 from qnnpasses.ir.load import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from genai_models import DEFAULT_FIXTURES, verification_inputs  # noqa: E402
+from genai_models import DEFAULT_FIXTURES, FP16_TOLERANCE, htp_placement, prefill_shapes, verification_inputs  # noqa: E402
 
 FP32 = DEFAULT_FIXTURES / "llama_fp32" / "model.onnx"
 INT4 = DEFAULT_FIXTURES / "llama_int4" / "model.onnx"
+FP16 = DEFAULT_FIXTURES / "llama_fp16" / "model.onnx"
 CONTRIB = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "GroupQueryAttention", "MatMulNBits"}
 
 
@@ -113,3 +114,19 @@ def test_int4_build_is_quantized_on_htp_with_its_4bit_weights(lowered, tmp_path)
     got = session.run(["logits"], adapt_inputs(load_model(quantized), inputs))[0]
     assert parse_profile(session.end_profiling()) == (1, [])
     assert cosine_similarity(got, expected["logits"]) >= 0.99  # measured 0.994 (random weights, 4 samples)
+
+
+@requires_htp
+def test_fp16_build_prefill_is_lowered_and_accurate_on_htp(tmp_path):
+    """The builder's fp16/CPU graph (RotaryEmbedding + MultiHeadAttention; runs only with an empty cache)."""
+    shapes = prefill_shapes(FP16)
+    out = tmp_path / "fp16.onnx"
+    args = ["run", "-q", "--pipeline", "htp-llm", str(FP16), "-o", str(out), "--verify", "--strict", *FP16_TOLERANCE]
+    for name, dims in shapes.items():
+        args += ["--shape", f"{name}={','.join(map(str, dims))}"]
+    assert main(args) == 0
+    assert not _ops(out) & (CONTRIB | {"RotaryEmbedding", "MultiHeadAttention"})
+    placement = htp_placement(out, FP16, shapes=shapes)
+    assert placement["cosine"]["logits"] >= 0.9999
+    # all but the builder's mask Cast(float16 -> bool), which the HTP rejects (docs/genai.md)
+    assert placement["cpu_nodes"] <= 1
