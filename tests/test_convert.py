@@ -15,6 +15,7 @@ from conftest import fixture_inputs, fixture_path
 
 from qnnpasses.cli import main as cli_main
 from qnnpasses.handoff.inputs import read_samples
+from qnnpasses.ir.load import load_model
 
 # Options convert.sh may use, each checked against the QNN SDK documentation:
 #   qnn-onnx-converter: docs.qualcomm.com/bundle/publicresource/topics/80-63442-50/tools.html#qnn-onnx-converter
@@ -78,8 +79,24 @@ def test_multi_input_package_round_trips_exactly(tmp_path, capsys):
     back = read_samples(out)
     assert len(back) == 3 and all(np.array_equal(back[i][k], calib[k][i]) and back[i][k].dtype == np.int64
                                   for i in range(3) for k in calib)
+    # with calibration data the mixed-precision plan goes in by default, in both AIMET layouts
     assert _script_options((out / "convert.sh").read_text())["qnn-onnx-converter"] == [
-        "--input_network", "--output_path", "--input_list", "--use_native_input_files"]
+        "--input_network", "--output_path", "--input_list", "--use_native_input_files", "--quantization_overrides"]
+    plan = json.loads((out / "quant_overrides.json").read_text())
+    v2 = json.loads((out / "quant_overrides.v2.json").read_text())
+    assert plan["version"] == "1.0.0" and v2["version"] == "2.0.0"
+    names = {t.name for t in load_model(out / "model.onnx").graph.tensors().values()}
+    assert {e["name"] for e in v2["encodings"]} <= names  # the plan names tensors of the packaged model
+    assert any(e["bw"] == 16 for e in plan["activation_encodings"])
+
+
+def test_no_plan_keeps_the_model_as_given(tmp_path):
+    np.savez(tmp_path / "calib.npz", **_stacked("llama_gqa_ts", 2))
+    out = tmp_path / "pkg"
+    assert cli_main(["convert", str(fixture_path("llama_gqa_ts")), "-o", str(out), "--calib", str(tmp_path / "calib.npz"),
+                     "--no-plan"]) == 0
+    assert not (out / "quant_overrides.json").exists()
+    assert "--quantization_overrides" not in _script_options((out / "convert.sh").read_text())["qnn-onnx-converter"]
 
 
 def test_single_float_input_folder_and_existing_list(tmp_path):
@@ -149,7 +166,7 @@ def test_sdk_tools_run_in_order_with_argument_lists(tmp_path, capsys):
     np.savez(tmp_path / "calib.npz", **fixture_inputs("llama_gqa_ts"))
     out = tmp_path / "pkg"
     assert cli_main(["convert", str(fixture_path("llama_gqa_ts")), "-o", str(out), "--calib", str(tmp_path / "calib.npz"),
-                     "--sdk", str(sdk), "--format", "json"]) == 0
+                     "--sdk", str(sdk), "--format", "json", "--no-plan"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in report["steps"]] == list(DOCUMENTED) and all(s["returncode"] == 0 for s in report["steps"])
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]

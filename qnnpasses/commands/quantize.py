@@ -28,8 +28,18 @@ def register(subparsers) -> None:
                         help=".npz/.npy file, a folder of them, or input_list.txt with raw files")
     parser.add_argument("-o", "--output", required=True, metavar="FILE.onnx", help="output QDQ model")
     parser.add_argument("--act", choices=("uint8", "uint16"), default="uint16", help="activation width (default uint16)")
-    parser.add_argument("--weights", choices=("int8", "uint8", "int16"), default="int8",
-                        help="weight type of MatMul/Gemm (default int8, symmetric)")
+    parser.add_argument("--weights", choices=("int8", "uint8", "int16", "int4"), default="int8",
+                        help="weight type of MatMul/Gemm (default int8, symmetric; int4 keeps the lm_head and "
+                             "non-projection constants at int8)")
+    parser.add_argument("--block-size", type=int, default=None, metavar="B",
+                        help="block-wise weight scales: one per B input rows of each output channel")
+    parser.add_argument("--weight-scales", choices=("minmax", "mse"), default=None,
+                        help="per-channel weight scales from max|w| or the MSE-optimal clip "
+                             "(default mse for int4, minmax otherwise)")
+    parser.add_argument("--outliers", default="rotate", metavar="none|rotate|SPEC",
+                        help="exact rewrites against activation outliers before quantization: rotate = "
+                             "fold-norm-weights,rotate-residual (default; models without a pre-norm residual "
+                             "stream are left as they are), none, or a textual pipeline")
     parser.add_argument("--per-channel", action=argparse.BooleanOptionalAction, default=True,
                         help="per-output-channel weights (default on)")
     parser.add_argument("--sensitive-16bit", action=argparse.BooleanOptionalAction, default=True,
@@ -44,7 +54,8 @@ def register(subparsers) -> None:
                         help="also write the plan as qnn-onnx-converter --quantization_overrides (AIMET encodings); "
                              "the float model it names is written next to OUTPUT as *.prepared.onnx")
     parser.add_argument("--overrides-version", choices=("1.0.0", "0.6.1"), default="1.0.0",
-                        help="AIMET encodings format of --overrides (default 1.0.0; 0.6.1 for older QNN SDKs)")
+                        help="AIMET encodings format of --overrides (default 1.0.0; 0.6.1 for older QNN SDKs); "
+                             "the 2.0.0 layout is always written next to it as *.v2.json")
     parser.add_argument("--evaluate", metavar="EVAL_DATA",
                         help="score the QDQ model on the real HTP against the fp32 model on CPU (disjoint from --calib)")
     parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples")
@@ -58,9 +69,18 @@ def register(subparsers) -> None:
 
 def _policy(args) -> PrecisionPolicy:
     sensitive = tuple(s.strip() for s in args.sensitive.split(",") if s.strip())
+    scales = args.weight_scales or ("mse" if args.weights == "int4" else "minmax")
     return PrecisionPolicy(act=args.act, weights=args.weights, per_channel=args.per_channel,
                            sensitive_bits=16 if args.sensitive_16bit else None, sensitive=sensitive,
-                           kv_bits=args.kv_bits, calibrate_method=args.calib_method)
+                           kv_bits=args.kv_bits, calibrate_method=args.calib_method, block_size=args.block_size,
+                           weight_scales=scales, outliers=outlier_spec(args.outliers))
+
+
+def outlier_spec(text: str) -> str:
+    """``--outliers`` as a textual pipeline ("" for none)."""
+    from qnnpasses.quant.shared import ROTATE
+
+    return {"none": "", "rotate": ROTATE}.get(text, text)
 
 
 def main(args) -> int:
@@ -81,14 +101,23 @@ def main(args) -> int:
     plan = result.plan.summary()
     sensitive = ", ".join(f"{k} {v}" for k, v in (plan["sensitive"] or {}).items()) or "none"
     print(f"  tensors kept at 16 bit: {sensitive}; per-channel weights: {plan['per_channel_weights']}; "
-          f"KV-cache tensors: {plan['kv_tensors']}")
+          f"KV-cache tensors: {plan['kv_tensors']}" + (f"; 8-bit weights in the int4 plan: {plan['weights_8bit']}"
+                                                        if policy.weight_bits == 4 else ""))
+    for record in result.prep.records:
+        if record["pass"] in ("fold-norm-weights", "rotate-residual"):
+            print(f"  {record['pass']}: {record['status']}" + (f" ({record['reason']})" if record["reason"] else ""))
     if args.overrides:
         from qnnpasses.quant.overrides import write_overrides
 
         path = write_overrides(out, args.overrides, version=args.overrides_version,
                                quantizer_args=policy.quantizer_args())
-        report["overrides"] = {"file": str(path), "prepared_model": str(prepared)}
-        print(f"overrides: {path} (for {prepared})")
+        v2 = write_overrides(out, Path(args.overrides).with_suffix(".v2.json"), version="2.0.0")
+        report["overrides"] = {"file": str(path), "v2": str(v2), "prepared_model": str(prepared)}
+        print(f"overrides: {path} and {v2.name} (AIMET 2.0.0), for {prepared}")
+    if result.weights:
+        w = result.weights
+        print(f"  weight scales: {w['refined']} refined ({policy.weight_scales}; squared error x{w['mse_after_over_before']})"
+              + (f", {w['blocked']} block-wise" if policy.block_size else ""))
     if args.evaluate:
         report["evaluation"] = _evaluate(args, out, policy)
     if args.report:

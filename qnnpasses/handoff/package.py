@@ -1,7 +1,8 @@
 """The converter package: everything ``qnn-onnx-converter`` and friends need, in one folder.
 
 ``model.onnx`` (weights external when the input's were), ``input_list.txt`` + raw files +
-``inputs.json`` (:mod:`.inputs`), ``quant_overrides.json`` when given, and ``convert.sh``
+``inputs.json`` (:mod:`.inputs`), ``quant_overrides.json`` (given, or by default with
+calibration data the mixed-precision plan made by :func:`_plan`), and ``convert.sh``
 (:mod:`.sdk`).  When an SDK is found the same steps run right away.
 """
 
@@ -41,8 +42,16 @@ def validate_overrides(path: str | Path) -> dict[str, Any]:
 
 
 def write_package(model: str | Path, out: str | Path, *, calib: str | Path | None = None,
-                  overrides: str | Path | None = None, sdk: str | None = None, run: bool = True) -> dict[str, Any]:
-    """Write the package into ``out``; run the SDK steps when an SDK is found and ``run``."""
+                  overrides: str | Path | None = None, sdk: str | None = None, run: bool = True,
+                  plan: bool = True, policy=None) -> dict[str, Any]:
+    """Write the package into ``out``; run the SDK steps when an SDK is found and ``run``.
+
+    With ``calib`` and no ``overrides``, the mixed-precision plan goes in too (``plan``):
+    the model is quantized as ``qnnpasses quantize`` does (``policy``, default w8a16), the
+    prepared float model it was made from becomes ``model.onnx`` (the tensor names the plan
+    uses) and its encodings ``quant_overrides.json`` (AIMET 1.0.0, with the 2.0.0 layout next
+    to it as ``quant_overrides.v2.json``).
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ir = load_model(model)
@@ -50,14 +59,23 @@ def write_package(model: str | Path, out: str | Path, *, calib: str | Path | Non
     samples = inputs_mod.load_calibration(calib, specs) if calib else []
     if overrides:
         validate_overrides(overrides)
-    save_model(ir, out / "model.onnx")
+    planned = None
+    if calib and not overrides and plan:
+        planned = _plan(model, calib, out, policy)
+        ir = load_model(out / "model.onnx")
+    else:
+        save_model(ir, out / "model.onnx")
     report: dict[str, Any] = {"package": str(out), "model": "model.onnx", "samples": len(samples),
                               "inputs": [{"name": s.name, "raw_dtype": s.file_dtype.name} for s in specs]}
+    if planned:
+        overrides = out / OVERRIDES
+        report["plan"] = planned
     if samples:
         inputs_mod.write_samples(out, samples, specs)
         report["input_list"] = inputs_mod.INPUT_LIST
     if overrides:
-        shutil.copyfile(overrides, out / OVERRIDES)
+        if Path(overrides).resolve() != (out / OVERRIDES).resolve():
+            shutil.copyfile(overrides, out / OVERRIDES)
         report["overrides"] = OVERRIDES
     step_list = sdk_mod.steps(calibrated=bool(samples), native_inputs=inputs_mod.needs_native_files(specs),
                               overrides=bool(overrides))
@@ -76,3 +94,21 @@ def write_package(model: str | Path, out: str | Path, *, calib: str | Path | Non
         binary = out / "output" / f"{sdk_mod.CONTEXT_NAME}.bin"
         report["context_binary"] = str(binary) if binary.exists() else None
     return report
+
+
+def _plan(model: str | Path, calib: str | Path, out: Path, policy) -> dict[str, Any]:
+    """Quantize ``model`` on ``calib``; write the prepared float model and its encodings into ``out``."""
+    import tempfile
+
+    from qnnpasses.quant.driver import quantize_model
+    from qnnpasses.quant.overrides import write_overrides
+    from qnnpasses.quant.shared import precision_policy
+
+    policy = policy or precision_policy("w8a16")
+    with tempfile.TemporaryDirectory(prefix="qnnpasses-plan-") as tmp:
+        qdq = Path(tmp) / "model.qdq.onnx"
+        result = quantize_model(model, calib, qdq, policy, keep_prepared=out / "model.onnx")
+        write_overrides(qdq, out / OVERRIDES, quantizer_args=policy.quantizer_args())
+        write_overrides(qdq, out / OVERRIDES.replace(".json", ".v2.json"), version="2.0.0")
+    return {"policy": policy.label(), "plan": result.plan.summary(), "calibration_samples": result.calibration_samples,
+            "v2": OVERRIDES.replace(".json", ".v2.json")}

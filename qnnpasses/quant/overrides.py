@@ -14,6 +14,17 @@ the same fields appear in the schema tests of Qualcomm's FastForward exporter,
                                   "offset": [o0, o1, ...]}, ...],
        "excluded_layers": [], "quantizer_args": {...}}
 
+* **2.0.0** (AIMET's current layout, one entry per tensor shaped like an ONNX ``QuantizeLinear``:
+  its output type, ``y_scale``, ``y_zero_point``, ``axis`` and ``block_size``; written next to
+  the 1.0.0 file by ``qnnpasses quantize --overrides``)::
+
+      {"version": "2.0.0",
+       "encodings": [{"name", "output_dtype": "uint16", "y_scale": s, "y_zero_point": z},
+                     {"name", "output_dtype": "int4", "y_scale": [s0, ...], "y_zero_point": [0, ...], "axis": 1},
+                     {"name", "output_dtype": "int4", "y_scale": [[...], ...], "axis": 0, "block_size": 64}]}
+
+  Zero points are those of the ONNX type (not AIMET offsets), omitted when all zero.
+
 * **0.6.1** (legacy)::
 
       {"version": "0.6.1",
@@ -46,7 +57,11 @@ from onnx import numpy_helper
 
 from qnnpasses.errors import BadInputError
 
-VERSIONS = ("1.0.0", "0.6.1")
+VERSIONS = ("1.0.0", "0.6.1", "2.0.0")
+#: ONNX element type -> (AIMET bitwidth, signed, 2.0.0 output_dtype)
+_INT_TYPES = {onnx.TensorProto.INT4: (4, True, "int4"), onnx.TensorProto.UINT4: (4, False, "uint4"),
+              onnx.TensorProto.INT8: (8, True, "int8"), onnx.TensorProto.UINT8: (8, False, "uint8"),
+              onnx.TensorProto.INT16: (16, True, "int16"), onnx.TensorProto.UINT16: (16, False, "uint16")}
 #: onnxruntime renames a graph output's float producer to ``<output>_QuantizeLinear_Input``.
 _OUTPUT_SUFFIX = "_QuantizeLinear_Input"
 
@@ -81,6 +96,31 @@ SCHEMA_V1: dict[str, Any] = {
 }
 
 
+#: JSON schema of the 2.0.0 layout as written here.
+SCHEMA_V2: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["version", "encodings"],
+    "properties": {"version": {"const": "2.0.0"}, "encodings": {"type": "array", "items": {"$ref": "#/$defs/enc"}}},
+    "$defs": {
+        "nested": {"anyOf": [{"type": "number"}, {"type": "array", "items": {"$ref": "#/$defs/nested"}}]},
+        "enc": {
+            "type": "object",
+            "required": ["name", "output_dtype", "y_scale"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "output_dtype": {"enum": ["int4", "uint4", "int8", "uint8", "int16", "uint16"]},
+                "y_scale": {"$ref": "#/$defs/nested"},
+                "y_zero_point": {"$ref": "#/$defs/nested"},
+                "axis": {"type": "integer"},
+                "block_size": {"type": "integer", "minimum": 1},
+            },
+        },
+    },
+}
+
+
 @dataclass
 class Encoding:
     """One tensor's quantization in AIMET terms."""
@@ -92,10 +132,31 @@ class Encoding:
     is_sym: bool
     param: bool
     axis: int | None = None
+    output_dtype: str = ""  # the ONNX quantized type (2.0.0)
+    zero_point: list[int] | None = None  # in that type (2.0.0)
+    scale_shape: tuple[int, ...] = ()  # () per tensor, (C,) per channel, (B, C) per block
+    block_size: int = 0
 
     def v1(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": "INT", "enc_type": "PER_CHANNEL" if len(self.scale) > 1 else "PER_TENSOR",
-                "is_sym": self.is_sym, "bw": self.bw, "scale": self.scale, "offset": [float(o) for o in self.offset]}
+        kind = "PER_BLOCK" if self.block_size else "PER_CHANNEL" if len(self.scale) > 1 else "PER_TENSOR"
+        entry = {"name": self.name, "dtype": "INT", "enc_type": kind, "is_sym": self.is_sym, "bw": self.bw,
+                 "scale": self.scale, "offset": [float(o) for o in self.offset]}
+        if self.block_size:
+            entry["block_size"] = self.block_size
+        return entry
+
+    def v2(self) -> dict[str, Any]:
+        shape = self.scale_shape if len(self.scale) > 1 else ()
+        nest = (lambda v: np.asarray(v).reshape(shape).tolist()) if shape else (lambda v: v[0])
+        entry: dict[str, Any] = {"name": self.name, "output_dtype": self.output_dtype, "y_scale": nest(self.scale)}
+        zero = self.zero_point or [0]
+        if any(zero):
+            entry["y_zero_point"] = nest(zero)
+        if shape:
+            entry["axis"] = self.axis
+        if self.block_size:
+            entry["block_size"] = self.block_size
+        return entry
 
     def legacy(self) -> list[dict[str, Any]]:
         top = 2 ** self.bw - 1
@@ -103,16 +164,17 @@ class Encoding:
                  "min": s * o, "max": s * (top + o)} for s, o in zip(self.scale, self.offset)]
 
 
-def _encoding(name: str, scale: np.ndarray, zero_point: np.ndarray, param: bool, axis: int | None) -> Encoding | None:
-    dtype = zero_point.dtype
-    if dtype.kind not in "iu" or dtype.itemsize > 2:
+def _encoding(name: str, scale: np.ndarray, zero_point: np.ndarray, elem_type: int, param: bool,
+              axis: int | None, block_size: int = 0) -> Encoding | None:
+    if elem_type not in _INT_TYPES:
         return None  # int32 biases: the converter derives them
-    bw = dtype.itemsize * 8
-    shift = -int(np.iinfo(dtype).min)  # signed grid -> unsigned grid
-    offsets = [-(int(z) + shift) for z in np.atleast_1d(zero_point)]
+    bw, signed, output_dtype = _INT_TYPES[elem_type]
+    shift = 2 ** (bw - 1) if signed else 0  # signed grid -> unsigned grid
+    zeros = [int(z) for z in np.asarray(zero_point).astype(np.int64).ravel()]
+    offsets = [-(z + shift) for z in zeros]
     symmetric = all(o == -(2 ** (bw - 1)) for o in offsets)
-    return Encoding(name, bw, [float(s) for s in np.atleast_1d(scale)], offsets, symmetric, param,
-                    axis if np.size(scale) > 1 else None)
+    return Encoding(name, bw, [float(s) for s in np.asarray(scale).ravel()], offsets, symmetric, param,
+                    axis if np.size(scale) > 1 else None, output_dtype, zeros, tuple(np.shape(scale)), block_size)
 
 
 def encodings_from_qdq(model: str | Path | onnx.ModelProto) -> list[Encoding]:
@@ -129,6 +191,7 @@ def encodings_from_qdq(model: str | Path | onnx.ModelProto) -> list[Encoding]:
         if scale is None or zero_point is None:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
         if node.op_type == "QuantizeLinear":
             if node.input[0] in dequantized:
                 continue  # a width conversion (Q -> DQ -> Q): the converter inserts its own
@@ -139,7 +202,7 @@ def encodings_from_qdq(model: str | Path | onnx.ModelProto) -> list[Encoding]:
             continue
         if name in found:
             continue  # the producer's encoding wins over later converts
-        encoding = _encoding(name, scale, zero_point, param, axis)
+        encoding = _encoding(name, scale, zero_point, inits[node.input[2]].data_type, param, axis, block)
         if encoding is not None:
             found[name] = encoding
     return list(found.values())
@@ -152,6 +215,8 @@ def build_overrides(encodings: list[Encoding], version: str = "1.0.0",
         raise BadInputError(f"overrides version must be one of {VERSIONS} (got '{version}')")
     acts = [e for e in encodings if not e.param]
     params = [e for e in encodings if e.param]
+    if version == "2.0.0":
+        return {"version": version, "encodings": [e.v2() for e in acts + params]}
     if version == "1.0.0":
         doc: dict[str, Any] = {"version": version, "activation_encodings": [e.v1() for e in acts],
                                "param_encodings": [e.v1() for e in params], "excluded_layers": []}
@@ -171,12 +236,23 @@ def write_overrides(qdq_model: str | Path, path: str | Path, *, version: str = "
     return out
 
 
+def _from_v2(entry: dict[str, Any]) -> Encoding:
+    bw, signed, _ = next(v for v in _INT_TYPES.values() if v[2] == entry["output_dtype"])
+    scale = np.asarray(entry["y_scale"], dtype=np.float64)
+    zeros = np.broadcast_to(np.asarray(entry.get("y_zero_point", 0), dtype=np.int64), scale.shape).ravel().tolist()
+    offsets = [-(z + (2 ** (bw - 1) if signed else 0)) for z in zeros]
+    return Encoding(entry["name"], bw, scale.ravel().tolist(), offsets, all(o == -(2 ** (bw - 1)) for o in offsets),
+                    False, entry.get("axis"), entry["output_dtype"], zeros, scale.shape, entry.get("block_size", 0))
+
+
 def read_overrides(path: str | Path) -> dict[str, Encoding]:
-    """Encodings by tensor name from a 1.0.0 or 0.6.1 overrides file (the inverse of :func:`write_overrides`)."""
+    """Encodings by tensor name from a 2.0.0, 1.0.0 or 0.6.1 overrides file (the inverse of :func:`write_overrides`)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise BadInputError(f"cannot read overrides {path}: {exc}") from None
+    if isinstance(doc, dict) and doc.get("version") == "2.0.0" and isinstance(doc.get("encodings"), list):
+        return {e["name"]: _from_v2(e) for e in doc["encodings"]}
     if not isinstance(doc, dict) or "activation_encodings" not in doc or "param_encodings" not in doc:
         raise BadInputError(f"{path}: not an encodings file (needs activation_encodings and param_encodings)")
     found = {}
