@@ -100,7 +100,8 @@ def plot_memory(trace, path: str | Path, title: str = "") -> Path:
         ax.grid(alpha=0.3, axis="y")
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fig.savefig(out, dpi=110, bbox_inches="tight")
+            with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable, selectable)
+                fig.savefig(out, dpi=110, bbox_inches="tight")
         except OSError as exc:
             raise BadInputError(f"cannot write {out}: {exc.strerror or exc}") from None
     finally:

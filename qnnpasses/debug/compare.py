@@ -22,9 +22,9 @@ every compared input it reads still agrees, so the error starts there.  Mask sen
 Bisection only runs when the outputs disagree: with outputs within tolerance there is no
 bad node to find, and an intermediate that differs (an intended rewrite) is not a fault.
 An intermediate is judged by what it means downstream: values at or below
-:data:`MASK_FLOOR` in both models mean "masked" (an additive attention mask: after the
-softmax's max subtraction ``exp`` of them is 0 in fp32 and fp16 alike), so a -3.4e38 mask
-and a -1e4 mask agree.
+:data:`MASK_FLOOR` (-1000) in both models mean "masked" (an additive attention mask: after
+the softmax's max subtraction ``exp`` of them is 0 in fp32 and fp16 alike), so a -3.4e38
+mask and a -1e4 mask agree.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ _QDQ = {"QuantizeLinear", "DequantizeLinear"}
 #: float32's lowest value); fp16 saturates them to ±65504 or ±inf, which is not an error.
 SENTINEL = float(np.finfo(np.float32).max) / 2
 _FP16_MAX = float(np.finfo(np.float16).max)
-#: At or below this an additive mask value removes its position from a softmax (exp(-1e4)
-#: underflows to 0 in fp16 and fp32): two such values mean the same.
-MASK_FLOOR = -1e4
+#: At or below this an additive mask value removes its position from a softmax: against
+#: logits of ordinary size (|x| < 900) exp(v - max) underflows to 0 in fp32 (below e^-104)
+#: and in fp16, so two such values mean the same (a -1e4 mask plus x stays below it).
+MASK_FLOOR = -1e3
 
 
 @dataclass
