@@ -199,7 +199,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
 
     out = tmp_path / "pair"
     before = fixture_path(args[0]).read_bytes()
-    code = main(["llm", str(fixture_path(args[0])), "-o", str(out), "--no-compile", *args[1:]])
+    code = main(["llm", str(fixture_path(args[0])), "--out-dir", str(out), "--no-compile", *args[1:]])
     err = capsys.readouterr().err
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("qnnpasses: error")]
@@ -207,3 +207,29 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert "Traceback" not in err
     assert not out.exists() and not list(tmp_path.glob(".pair.*"))
     assert fixture_path(args[0]).read_bytes() == before
+
+
+def _boundary_qparams(path, tensor: str, op: str):
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    init = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == op and tensor in (node.output[0] if op == "DequantizeLinear" else node.input[0]):
+            return float(init[node.input[1]]), int(init[node.input[2]])
+    return None
+
+
+def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
+    calib = tmp_path / "tokens.npz"
+    np.savez(calib, input_ids=np.random.default_rng(4).integers(0, 256, (4, 40)))
+    manifest = built("llama_gqa_kv_dyn_ts", precision="w8a16", calib=str(calib), compile=False, probe=False)
+    assert manifest["precision"] == "w8a16"
+    prefill, decode = (part_paths(manifest, g, compiled=False)[0] for g in ("prefill", "decode"))
+    roles = manifest["graphs"]["decode"]["roles"]
+    for new, past in zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]):
+        written = _boundary_qparams(prefill, new, "DequantizeLinear")  # what prefill writes into the cache
+        read = _boundary_qparams(decode, past, "QuantizeLinear")       # what decode reads from it
+        assert written is not None and written == read == _boundary_qparams(decode, new, "DequantizeLinear")
+    report = json.loads((manifest_dir(manifest) / "report.json").read_text())
+    assert report["quantized_verification"]["top1"] >= 0.9  # random weights, CPU

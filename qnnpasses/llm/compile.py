@@ -5,10 +5,17 @@ graphs in one QNN context whose weights are stored once: session config
 ``ep.share_ep_contexts=1`` on every session of the group (``ep.stop_share_ep_contexts=1`` on
 the last) and the provider option ``enable_htp_weight_sharing=1``, with the binary beside the
 models (``ep.context_embed_mode=0``).  Whether a *session* on such a pair then works is a
-property of the onnxruntime-qnn build: with 2.7.0 on x86 creating the second graph's session
-crashes the process (SIGSEGV).  So the shared pair is compiled and then run in a child
-process; if that child fails in any way, the shared files are deleted and every graph is
-compiled to its own context (``separate``).  The outcome and the reason go to the manifest.
+property of the onnxruntime-qnn build: with 2.7.0 on x86 creating a session on a graph of the
+shared context crashes the process (SIGSEGV).  So the shared pair is compiled and then run in
+a child process; if that child fails in any way, the shared files are deleted and every graph
+is compiled to its own context (``separate``, binary embedded).  The outcome and the reason
+go to the manifest and the report.
+
+Quantized (QDQ) graphs are compiled in integer precision with
+``offload_graph_io_quantization=0``: the HTP then also takes the graph-boundary Q/DQ nodes
+(onnxruntime otherwise runs them on the CPU), so the compiled model is one EPContext node.
+:func:`probe` measures placement (QNN partitions, CPU nodes with CPU fallback disabled) and
+the composed QNN op count with the same options, in a child process.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from qnnpasses.handoff.epcontext import CHILD_TIMEOUT, compile_model, context_summary
+from qnnpasses.handoff.epcontext import CHILD_TIMEOUT, context_summary
 
 SHARE_OPTIONS = {"enable_htp_weight_sharing": "1"}
+#: integer precision: the HTP takes the boundary Q/DQ too (as qnnpasses.quant.evaluate does)
+INT_OPTIONS = {"offload_graph_io_quantization": "0"}
 
 
 def _share_config(last: bool) -> dict[str, str]:
@@ -43,47 +52,67 @@ def _zero_inputs(sess) -> dict[str, np.ndarray]:
 
 
 def _child(argv: list[str] | None = None) -> int:
-    """``compile``: one process compiles every model into one shared context; ``run``: load and run them."""
-    from qnnpasses.backends.htp import htp_session
+    """Modes: ``compile`` each model (shared context unless ``--separate``), ``run`` the compiled
+    models, ``place`` a model once with profiling and a QNN graph dump."""
+    from qnnpasses.backends.htp import htp_session, parse_profile, parse_qnn_graph_dir
 
     parser = argparse.ArgumentParser(prog="python -m qnnpasses.llm.compile")
-    parser.add_argument("mode", choices=("compile", "run"))
+    parser.add_argument("mode", choices=("compile", "run", "place"))
     parser.add_argument("--pairs", required=True, help="JSON list of [model, compiled] paths")
     parser.add_argument("--result", required=True)
-    parser.add_argument("--no-fp16", dest="fp16", action="store_false")
+    parser.add_argument("--separate", action="store_true", help="one context per model, embedded")
+    parser.add_argument("--int", dest="fp16", action="store_false", help="integer precision (QDQ models)")
     args = parser.parse_args(argv)
     pairs = json.loads(args.pairs)
     result: dict[str, Any] = {"ok": False, "done": []}
-    Path(args.result).write_text(json.dumps(result))
+
+    def write() -> None:  # progress survives a crash of the next step
+        Path(args.result).write_text(json.dumps(result))
+
+    write()
+    base = {} if args.fp16 else dict(INT_OPTIONS)
     for index, (model, compiled) in enumerate(pairs):
-        config = _share_config(index == len(pairs) - 1)
+        shared = {} if args.separate else _share_config(index == len(pairs) - 1)
+        options = base if args.separate else {**base, **SHARE_OPTIONS}
         if args.mode == "compile":
-            config.update({"ep.context_enable": "1", "ep.context_file_path": compiled, "ep.context_embed_mode": "0"})
-            htp_session(model, fp16=args.fp16, extra_options=SHARE_OPTIONS, session_config=config)
-        else:
+            config = {**shared, "ep.context_enable": "1", "ep.context_file_path": compiled,
+                      "ep.context_embed_mode": "1" if args.separate else "0"}
+            htp_session(model, fp16=args.fp16, extra_options=options, session_config=config)
+        elif args.mode == "run":
             result["stage"] = "session"
-            Path(args.result).write_text(json.dumps(result))
-            sess = htp_session(compiled, fp16=args.fp16, extra_options=SHARE_OPTIONS, session_config=config,
+            write()
+            sess = htp_session(compiled, fp16=args.fp16, extra_options=options, session_config=shared,
                                disable_cpu_fallback=True)
             result["stage"] = "run"
-            Path(args.result).write_text(json.dumps(result))
+            write()
             sess.run(None, _zero_inputs(sess))
+        else:
+            work = Path(compiled)
+            work.mkdir(parents=True, exist_ok=True)
+            options = {**base, "dump_json_qnn_graph": "1", "json_qnn_graph_dir": str(work / "qnn_graph")}
+            sess = htp_session(model, fp16=args.fp16, extra_options=options, disable_cpu_fallback=True, profiling=True,
+                               profile_prefix=str(work / "profile"))
+            sess.run(None, _zero_inputs(sess))
+            partitions, cpu = parse_profile(sess.end_profiling())
+            result.update(qnn_partitions=partitions, cpu_nodes=len(cpu),
+                          qnn_ops=parse_qnn_graph_dir(work / "qnn_graph").get("total"))
         result["done"].append(Path(compiled).name)
-        Path(args.result).write_text(json.dumps(result))  # progress survives a crash of the next step
+        write()
     result["ok"] = True
-    Path(args.result).write_text(json.dumps(result))
+    write()
     return 0
 
 
-def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool) -> dict[str, Any]:
+def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separate: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="qnnpasses_llm_") as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "qnnpasses.llm.compile", mode, "--result", str(result_path),
-               "--pairs", json.dumps([[str(a), str(b)] for a, b in pairs])] + ([] if fp16 else ["--no-fp16"])
+               "--pairs", json.dumps([[str(a), str(b)] for a, b in pairs])]
+        cmd += ([] if fp16 else ["--int"]) + (["--separate"] if separate else [])
         try:
             proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=CHILD_TIMEOUT, check=False)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"shared {mode}: timed out after {CHILD_TIMEOUT:g}s"}
+            return {"ok": False, "error": f"{mode}: timed out after {CHILD_TIMEOUT:g}s"}
         result = json.loads(result_path.read_text()) if result_path.exists() else {"ok": False, "done": []}
     if proc.returncode != 0 or not result.get("ok"):
         from qnnpasses.backends.htp import _describe_exit
@@ -92,9 +121,17 @@ def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool) -> dict[st
         tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] if proc.stderr else []
         step = len(result.get("done", []))
         stage = f" ({result['stage']})" if result.get("stage") else ""
-        result.update(ok=False, error=f"shared {mode}: {how} at graph {step + 1} of {len(pairs)}{stage}"
+        what = f"{'separate' if separate else 'shared'} {mode}" if mode != "place" else "placement"
+        result.update(ok=False, error=f"{what}: {how} at graph {step + 1} of {len(pairs)}{stage}"
                       + (f" ({tail[0][:200]})" if tail and proc.returncode > 0 else ""))
     return result
+
+
+def probe(model: Path, *, fp16: bool = True) -> dict[str, Any]:
+    """Placement (CPU fallback disabled) and composed QNN op count of ``model``, in a child process."""
+    with tempfile.TemporaryDirectory(prefix="qnnpasses_llm_place_") as tmp:
+        result = _run_child("place", [(model, Path(tmp) / "work")], fp16)
+    return {k: result.get(k) for k in ("ok", "error", "qnn_partitions", "cpu_nodes", "qnn_ops")}
 
 
 def _remove(paths: list[Path]) -> None:
@@ -114,23 +151,25 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
     _remove(targets)
     if try_shared:
         compiled = _run_child("compile", pairs, fp16)
-        probe = _run_child("run", pairs, fp16) if compiled.get("ok") else {"ok": False, "error": compiled.get("error")}
-        report["shared_probe"] = {"compile": compiled.get("ok", False), "run": probe.get("ok", False),
-                                  "error": probe.get("error")}
-        if probe.get("ok"):
+        probe_run = _run_child("run", pairs, fp16) if compiled.get("ok") else {"ok": False, "error": compiled.get("error")}
+        report["shared_probe"] = {"compile": compiled.get("ok", False), "run": probe_run.get("ok", False),
+                                  "error": probe_run.get("error")}
+        if probe_run.get("ok"):
             report["weight_sharing"] = "shared"
             report["graphs"] = {b.name: context_summary(b) for b in targets}
             report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
             return report
         _remove(targets)
     report["weight_sharing"] = "separate"
-    graphs = {}
-    for model, out in pairs:
-        result = compile_model(model, out, fp16=fp16, embed=True)
-        if not result.get("ok"):
-            raise RuntimeError(f"compiling {Path(model).name} failed: {result.get('error')}")
-        graphs[out.name] = context_summary(out)
-    report["graphs"] = graphs
+    from qnnpasses.progress import step
+
+    step(f"compiling {len(pairs)} graph(s) into HTP context binaries")
+    result = _run_child("compile", pairs, fp16, separate=True)
+    if not result.get("ok"):
+        from qnnpasses.errors import CheckFailedError
+
+        raise CheckFailedError(f"compiling for the HTP failed: {result.get('error')}")
+    report["graphs"] = {b.name: context_summary(b) for b in targets}
     return report
 
 

@@ -40,7 +40,8 @@ def analyze_kv(path: str | Path, context: int) -> dict[str, Any]:
 
 
 def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = True, fp16: bool = True) -> dict[str, Any]:
-    """Per graph: placement and composed QNN ops (from a child-process probe), nodes, KV bytes."""
+    """Per graph: placement (CPU fallback disabled) and composed QNN ops from a child-process
+    session on the HTP, node count, KV-cache bytes and ``analyze``'s figure."""
     import onnx
 
     folder = Path(folder)
@@ -52,11 +53,9 @@ def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = T
             proto = onnx.load(str(path), load_external_data=False)
             item: dict[str, Any] = {"onnx": part["onnx"], "nodes": len(proto.graph.node)}
             if probe:
-                from qnnpasses.backends.htp import probe_placement
+                from qnnpasses.llm.compile import probe as probe_graph
 
-                placement = probe_placement(path, fp16=fp16)
-                item.update(ok=placement.ok, error=placement.error, qnn_partitions=placement.qnn_partitions,
-                            cpu_nodes=len(placement.cpu_nodes), qnn_ops=(placement.qnn_graph_ops or {}).get("total"))
+                item.update(probe_graph(path, fp16=fp16))
             entry["parts"].append(item)
         entry["kv_cache_bytes"] = kv_cache_bytes(graph)
         entry["kv_cache_bytes_fp16"] = kv_cache_bytes(graph, 2)
@@ -98,10 +97,66 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
         lines.append(f"CPU check vs the original export ({verification['prompt_tokens']} prompt tokens in chunks, "
                      f"{verification['new_tokens']} generated, {verification['calls']} calls): max abs logits "
                      f"{verification['logits']:.3g}, new K/V {verification['kv']:.3g}.")
+    quantized = report.get("quantized_verification")
+    if quantized:
+        q = report.get("quantization") or {}
+        lines.append(f"{manifest['precision']} on CPU vs the original (fp32): max abs logits {quantized['logits']:.3g} "
+                     f"(largest logit {quantized['logits_scale']:.3g}), top-1 agreement {quantized['top1']:.1%} over "
+                     f"{quantized['positions']} positions; calibration calls: {q.get('samples')}, "
+                     f"{q.get('shared_tensors')} tensors with one shared encoding.")
     probe = (report.get("compile") or {}).get("shared_probe")
     if probe:
         lines.append(f"Weight-shared context: compile {'ok' if probe['compile'] else 'failed'}, run "
                      f"{'ok' if probe['run'] else 'failed'}" + (f" ({probe['error']})" if probe.get("error") else "") + ".")
     if report.get("htp"):
         lines += ["", graphs_markdown(manifest, report["htp"])]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- docs/llm.md
+
+SECTION_BEGIN, SECTION_END = "<!-- llm:{name}:begin -->", "<!-- llm:{name}:end -->"
+
+
+def replace_section(text: str, name: str, body: str) -> str:
+    """``text`` with the marked section ``name`` replaced by ``body`` (appended when absent).
+
+    Several tools write docs/llm.md, each its own section: this one's is ``graphs``.
+    """
+    begin, end = SECTION_BEGIN.format(name=name), SECTION_END.format(name=name)
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
+    return (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+
+
+def graphs_section(rows: list[dict[str, Any]]) -> str:
+    """The ``graphs`` section of docs/llm.md from the tool's per-export rows."""
+    lines = ["## Prefill + decode graphs on the HTP", "",
+             "Each export through `qnnpasses llm` (static cache outside the graph, htp-llm applied). Placement and "
+             "composed QNN op counts come from the real HTP backend (fp16, one probe per graph); KV-cache bytes count "
+             "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·4 (float32 cache); "
+             "`analyze` is `qnnpasses analyze`'s figure for the same graph. The CPU check runs a prompt in padded "
+             "chunks and then decode steps against the original dynamic export.", "",
+             "| export | context | prefill | graph | QNN partitions | CPU nodes | composed QNN ops | KV bytes | expected | analyze | CPU check max abs (logits / K,V) | weight sharing |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for row in rows:
+        facts, verification = row["htp"], row["verification"]
+        for graph in ("prefill", "decode"):
+            entry = facts[graph]
+            part = entry["parts"][0]
+            analyze = (entry.get("analyze") or {}).get("bytes_fp32")
+            lines.append(
+                f"| {row['export']} | {row['context']} | {row['prefill']} | {graph} | {part.get('qnn_partitions', '-')} | "
+                f"{part.get('cpu_nodes', '-')} | {entry.get('qnn_ops', '-')} | {entry['kv_cache_bytes']:,} | "
+                f"{facts['expected_kv_cache_bytes']:,} | {analyze:,} | "
+                f"{verification['logits']:.2g} / {verification['kv']:.2g} | {row['weight_sharing']} |")
+    probes = [(row["export"], row["shared_probe"]) for row in rows if row.get("shared_probe")]
+    if probes:
+        lines += ["", "Weight-shared context (`ep.share_ep_contexts` + `enable_htp_weight_sharing`), probed in a child "
+                      "process before it is used:", ""]
+        for export, probe in probes:
+            outcome = "runs" if probe["run"] else f"falls back to separate contexts: {probe.get('error')}"
+            lines.append(f"- {export}: shared compile {'ok' if probe['compile'] else 'failed'}; {outcome}")
     return "\n".join(lines) + "\n"

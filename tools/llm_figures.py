@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Figures of ``qnnpasses llm`` for docs/llm.md (its ``graphs`` section) and docs/llm.json.
+
+For each export it builds the static prefill + decode pair (context and prefill below),
+then reads the build's own report: placement and composed QNN op counts from the real HTP
+backend, KV-cache bytes against 2·L·kv_heads·head_dim·N·bytes and ``qnnpasses analyze``'s
+figure, the CPU check against the original export, and the weight-sharing probe outcome.
+
+    python tools/llm_figures.py                  # the random-weight fixtures (fast)
+    python tools/llm_figures.py --trained        # + SmolLM2-135M KV exports (tools/trained_fixtures.py)
+
+Other tools write other sections of docs/llm.md; this one replaces only its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+# (label, path, context, prefill): the dynamo fixture fixes the new-token count at 1
+RANDOM = [("llama_gqa_kv_dyn_ts (random)", FIXTURES / "llama_gqa_kv_dyn_ts.onnx", 256, 16),
+          ("llama_gqa_kv_dyn_dynamo (random)", FIXTURES / "llama_gqa_kv_dyn_dynamo.onnx", 256, 1)]
+
+
+def trained_exports(context: int, prefill: int) -> list[tuple[str, Path, int, int]]:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import trained_fixtures
+
+    folder = trained_fixtures.DEFAULT_CACHE
+    found = [(f"SmolLM2-135M {exporter}", folder / f"smollm2_135m_{exporter}.onnx", context, prefill)
+             for exporter in ("kv_ts", "kv_dynamo")]
+    missing = [str(p) for _, p, _, _ in found if not p.is_file()]
+    if missing:
+        raise SystemExit(f"missing {missing}: python tools/trained_fixtures.py build --exporters kv_ts,kv_dynamo")
+    return found
+
+
+def measure(label: str, model: Path, context: int, prefill: int, work: Path) -> dict:
+    from qnnpasses.llm.convert import build
+
+    out = work / model.stem
+    manifest = build(model, out, context=context, prefill=prefill)
+    report = json.loads((out / "report.json").read_text())
+    compiled = report.get("compile") or {}
+    return {"export": label, "source": model.name, "context": context, "prefill": prefill,
+            "layers": manifest["layers"], "kv_heads": manifest["kv_heads"], "head_dim": manifest["head_dim"],
+            "weight_sharing": manifest["weight_sharing"], "shared_probe": compiled.get("shared_probe"),
+            "htp": report["htp"], "verification": report["verification"], "seconds": report["seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qnnpasses.llm.report import graphs_section, replace_section
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trained", action="store_true", help="also the SmolLM2-135M KV-cache exports")
+    parser.add_argument("--context", type=int, default=256, help="context of the trained exports")
+    parser.add_argument("--prefill", type=int, default=16, help="prefill size of the trained exports")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    args = parser.parse_args(argv)
+    exports = RANDOM + (trained_exports(args.context, args.prefill) if args.trained else [])
+    with tempfile.TemporaryDirectory(prefix="llm_figures_") as tmp:
+        rows = [measure(label, path, context, prefill, Path(tmp)) for label, path, context, prefill in exports]
+    args.docs.mkdir(parents=True, exist_ok=True)
+    (args.docs / "llm.json").write_text(json.dumps({"graphs": rows}, indent=2, default=str) + "\n")
+    md = args.docs / "llm.md"
+    text = md.read_text() if md.exists() else "# LLMs on the HTP: prefill + decode pairs\n\nWritten by tools; do not edit by hand.\n"
+    md.write_text(replace_section(text, "graphs", graphs_section(rows)))
+    print(f"wrote {md} and {args.docs / 'llm.json'} ({len(rows)} exports)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
