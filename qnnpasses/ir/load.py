@@ -67,7 +67,8 @@ def load_model(model: str | os.PathLike | onnx.ModelProto) -> IRModel:
         raise BadInputError(f"{path or 'model'}: the graph cannot be represented: {type(exc).__name__}: {_one_line(exc)}") from None
     if problem:
         raise BadInputError(f"{path or 'model'} fails the ONNX checker: {problem}")
-    _report_runtime_only_ops(proto, str(path or "<model>"))
+    if path is not None:  # a user's file, not a model built or reloaded in memory by a tool
+        _report_runtime_only_ops(proto, str(path))
     return ir
 
 
