@@ -41,6 +41,8 @@ def measure(cache: Path, windows: int) -> dict:
                         "-q"], check=True)
         raw_htp = evaluate(raw, data, "htp", windows)
         ours = evaluate(out, data, "htp", windows)
+    # no paths of this machine in docs/
+    raw_htp["model"], ours["model"] = raw.name, f"qnnpasses run --pipeline htp-llm {raw.name}"
     rows.append({"variant": "fp32 on CPU (reference)", "perplexity": raw_htp["reference_perplexity"], "top1": 1.0})
     rows.append({"variant": "raw export", "perplexity": raw_htp["perplexity"], "top1": raw_htp["top1_agreement"]})
     rows.append({"variant": "`htp-llm` output", "perplexity": ours["perplexity"], "top1": ours["top1_agreement"]})

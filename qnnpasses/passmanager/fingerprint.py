@@ -3,7 +3,7 @@
 One walk over the nodes of the graph and its subgraphs, O(nodes + edges), no serialization:
 each node's identity, op, domain, name, the identity and name of every input and output
 tensor, its attributes (scalars by value, arrays/tensors/graphs by identity), each graph's
-inputs and outputs (name, dtype, shape) and opset imports, and every constant's values
+inputs (name, dtype, shape) and outputs (name), opset imports, and every constant's values
 object.  Reading a lazily loaded constant replaces its values object (graphsurgeon loads
 on first access); that alone is no change: the loaded array is compared with what the
 lazy values load to (by shape and dtype only above :data:`COMPARE_LOADED_BYTES`).  A pass
@@ -13,6 +13,7 @@ change a fingerprint does not see.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,18 @@ class Fingerprint:
 
 
 def fingerprint(ir: IRModel) -> Fingerprint:
+    # the walk allocates one small tuple per node and tensor: a cyclic GC pass over the whole
+    # graph in the middle of it would cost more than the walk itself
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _fingerprint(ir)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _fingerprint(ir: IRModel) -> Fingerprint:
     graphs, order, values = [], [], {}
 
     def tensor_key(tensor: gs.Tensor) -> tuple:
@@ -69,11 +82,13 @@ def fingerprint(ir: IRModel) -> Fingerprint:
     for graph in ir.graphs():
         nodes = frozenset(
             (id(n), n.op, n.domain, n.name, tuple(map(tensor_key, n.inputs)), tuple(map(tensor_key, n.outputs)),
-             tuple((k, attr_key(v)) for k, v in n.attrs.items()))
+             tuple((k, attr_key(v)) for k, v in n.attrs.items()) if n.attrs else ())
             for n in graph.nodes
         )
-        io = tuple((t.name, id(t), str(t.dtype), tuple(t.shape) if t.shape is not None else None)
-                   for t in (*graph.inputs, *graph.outputs))
+        # outputs by identity and name: their dtype/shape follow from the nodes (and the
+        # manager's shape refresh rewrites them); inputs' dtype and shape are the interface
+        io = (tuple((t.name, id(t), str(t.dtype), tuple(t.shape) if t.shape is not None else None)
+                    for t in graph.inputs), tuple((t.name, id(t)) for t in graph.outputs))
         graphs.append((id(graph), graph.name, graph.opset, len(graph.nodes), nodes, io))
         order.append(tuple(map(id, graph.nodes)))
     domains = tuple((d.domain, d.version) for d in getattr(ir.graph, "import_domains", None) or ())

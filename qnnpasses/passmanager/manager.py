@@ -55,7 +55,7 @@ from qnnpasses.passmanager.api import (
     PassResult,
     get_property,
 )
-from qnnpasses.passmanager.fingerprint import fingerprint, out_of_order
+from qnnpasses.passmanager.fingerprint import Fingerprint, fingerprint, out_of_order
 from qnnpasses.passmanager.spec import Item, Pipeline, Repeat, format_items
 
 CHANGED, UNCHANGED, ROLLED_BACK, SKIPPED = "changed", "unchanged", "rolled-back", "skipped"
@@ -162,6 +162,7 @@ class PassManager:
         self._cases: list[VerificationCase] = []
         self._reference: list[dict[str, np.ndarray]] = []
         self._spare_snapshot: IRModel | None = None
+        self._last_fingerprint: Fingerprint | None = None
         self._renames: dict[str, str] = {}  # original output name -> its name now
         self._applied: list[Contract] = []  # contracts of the passes that changed the graph
 
@@ -169,7 +170,7 @@ class PassManager:
 
     def run(self, ir: IRModel) -> RunResult:
         self.records, self.result = [], None
-        self._spare_snapshot, self._applied = None, []
+        self._spare_snapshot, self._last_fingerprint, self._applied = None, None, []
         original: list[dict[str, np.ndarray]] = []
         self._renames = {t.name: t.name for t in ir.graph.outputs}
         if self.config.verify:
@@ -268,7 +269,8 @@ class PassManager:
     def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord, before_keys: list[tuple[str, str]]) -> None:
         # a copy taken before a pass that then changed nothing is still a copy of the graph
         snapshot, self._spare_snapshot = self._spare_snapshot or ir.copy(), None
-        before = fingerprint(ir)
+        # the previous pass's "after" still describes the graph when that pass changed nothing
+        before, self._last_fingerprint = self._last_fingerprint or fingerprint(ir), None
         renames = {}
         self.context.forget_names()
         start = time.perf_counter()
@@ -297,6 +299,7 @@ class PassManager:
         if not changed:
             record.seconds = time.perf_counter() - start
             self._spare_snapshot = snapshot
+            self._last_fingerprint = after if after.order == before.order else None
             self._check_ensures(pass_, ir, record)
             return
         failure = check_model(ir, refresh=True)
@@ -311,6 +314,7 @@ class PassManager:
         record.status, record.changed, record.nodes_after = CHANGED, True, len(after_keys)
         _fill_structural_delta(record, before_keys, after_keys)
         self._applied.append(pass_.contract)
+        self._last_fingerprint = after  # the check's shape refresh touches nothing a fingerprint holds
         self._renames = {original: renames.get(now, now) for original, now in self._renames.items()}
         self._check_ensures(pass_, ir, record)
 
