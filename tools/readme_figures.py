@@ -261,6 +261,10 @@ def speed_bullet(path: Path) -> str:
     if skipped:
         out += (f"; simplify's onnxsim call was skipped at {skipped.group(1)} layers (above its weight-size limit), "
                 f"so the totals across depths do not do the same work")
+    targets = re.findall(r"^- (.+?) <= ([0-9.]+): wall ([0-9.]+x|-) (met|NOT met|not measured)", text, re.M)
+    if targets:
+        out += ". Issue #14's targets, wall time: " + ", ".join(
+            f"{name} {value.replace('x', '×')} (≤ {bound}: {verdict})" for name, bound, value, verdict in targets)
     return _wrap(out + ".", indent="  ")
 
 
