@@ -14,6 +14,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.ir.shapes import is_static
 from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite, is_constant
 from qnnpasses.lint.registry import Finding, Rule, rule
+from qnnpasses.units import fmt_bytes
 
 #: Below this the EP declines the whole model (onnxruntime has no layout transformer for it).
 MIN_EP_OPSET = 7
@@ -91,5 +92,5 @@ def weights_too_large(ctx: LintContext, r: Rule) -> Iterator[Finding]:
     total = ctx.ir.weight_bytes()
     limit = ctx.config.max_graph_weight_bytes
     if total > limit:
-        yield r.finding(None, None, f"{total / 2**30:.2f} GiB of weights > {limit / 2**30:.2f} GiB per HTP graph",
+        yield r.finding(None, None, f"{fmt_bytes(total)} of weights > {fmt_bytes(limit)} per HTP graph",
                         weight_bytes=total)
