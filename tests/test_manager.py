@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
-from conftest import fixture_inputs, fixture_outputs, fixture_path
+from conftest import FIXTURE_NAMES, fixture_inputs, fixture_outputs, fixture_path
 
 from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.errors import CheckFailedError
@@ -373,3 +373,18 @@ def test_a_pure_reorder_is_no_change_but_a_broken_order_is_rolled_back():
     ir, result = _run("test-reverse-nodes", verify=False)
     assert result.records[0].status == ROLLED_BACK and "topological order" in result.records[0].reason
     _assert_outputs_unchanged(ir)
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_htp_llm_verifies_on_every_fixture_without_false_alarms(name):
+    """Strict verification on padded, masked and extreme inputs: no pass of htp-llm is rolled back."""
+    from qnnpasses.passmanager.named import get_pipeline
+
+    ir = load_model(fixture_path(name))
+    result = PassManager(get_pipeline("htp-llm"), RunConfig(verify=True, strict=True)).run(ir)
+    assert result.final_verification["ok"], result.final_verification.get("failure")
+    cases = {c["name"] for c in result.verification_cases}
+    assert {"random", "padded-right", "padded-left", "masked"} <= cases  # every fixture has a mask input
+    for record in result.records:
+        if record.status == CHANGED and record.contract["kind"] == "exact":
+            assert set(record.verification["cases"]) == cases, record.name
