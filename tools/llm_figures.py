@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Figures of ``qnnpasses llm`` for docs/llm.md (its ``graphs`` section) and docs/llm.json.
+"""Figures of ``qnnpasses llm`` for docs/llm_graphs.md and docs/llm_graphs.json.
 
 For each export it builds the static prefill + decode pair (context and prefill below),
 then reads the build's own report: placement and composed QNN op counts from the real HTP
@@ -9,7 +9,7 @@ figure, the CPU check against the original export, and the weight-sharing probe 
     python tools/llm_figures.py                  # the random-weight fixtures (fast)
     python tools/llm_figures.py --trained        # + SmolLM2-135M KV exports (tools/trained_fixtures.py)
 
-Other tools write other sections of docs/llm.md; this one replaces only its own.
+``tools/llm_eval.py`` writes docs/llm.md (accuracy and speed of the trained pair on the HTP).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def measure(label: str, model: Path, context: int, prefill: int, work: Path) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnnpasses.llm.report import graphs_section, replace_section
+    from qnnpasses.llm.report import graphs_section
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trained", action="store_true", help="also the SmolLM2-135M KV-cache exports")
@@ -66,11 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="llm_figures_") as tmp:
         rows = [measure(label, path, context, prefill, Path(tmp)) for label, path, context, prefill in exports]
     args.docs.mkdir(parents=True, exist_ok=True)
-    (args.docs / "llm.json").write_text(json.dumps({"graphs": rows}, indent=2, default=str) + "\n")
-    md = args.docs / "llm.md"
-    text = md.read_text() if md.exists() else "# LLMs on the HTP: prefill + decode pairs\n\nWritten by tools; do not edit by hand.\n"
-    md.write_text(replace_section(text, "graphs", graphs_section(rows)))
-    print(f"wrote {md} and {args.docs / 'llm.json'} ({len(rows)} exports)")
+    (args.docs / "llm_graphs.json").write_text(json.dumps({"graphs": rows}, indent=2, default=str) + "\n")
+    md = args.docs / "llm_graphs.md"
+    md.write_text(graphs_section(rows))
+    print(f"wrote {md} and {args.docs / 'llm_graphs.json'} ({len(rows)} exports)")
     return 0
 
 

@@ -14,6 +14,10 @@ length P needs (new tokens at key slots P..P+S-1, invalid slots removed by the m
 Why it is safe: with ``position_ids = arange(past_len, past_len + seq)`` (one row per batch
 entry) the graph computes exactly what it did.  It changes the interface on purpose: a
 static-cache runner passes absolute positions that differ from the (fixed) past length.
+
+Verification: the outputs before and after are not the same tensors (not a rename), so the
+manager's ``--verify`` cannot compare them; ``qnnpasses llm`` checks the finished pair against
+the original export instead (a chunked prompt with padding, then decode steps).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ replaced by ``new`` (``present.0.key`` -> ``new.0.key``; a name without ``presen
 Why it is safe: the new output is exactly the slice ``present[..., past_len:, :]`` of the old
 one; nothing else changes.  It changes the interface on purpose: a runner that owns a
 static cache writes the new entries itself instead of copying the whole cache out each step.
+
+Verification: the outputs before and after are not the same tensors (not a rename), so the
+manager's ``--verify`` cannot compare them; ``qnnpasses llm`` checks the finished pair against
+the original export instead (a chunked prompt with padding, then decode steps).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class KvNewOutputs(Pass):
                     or new in graph.outputs or not new.inputs:
                 continue
             name = new_output_name(out.name, self.options.replace, self.options.by)
-            if name in taken:
+            if name in taken and name != new.name:
                 continue
             taken.add(name)
             new.name = name

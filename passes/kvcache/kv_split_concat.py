@@ -122,7 +122,7 @@ class _Distributor:
         parts = list(concat.inputs)
         shapes = [static_shape(p) for p in parts]
         out = node.outputs[0] if node.outputs else None
-        if out is None or any(s is None for s in shapes) or static_shape(out) is None or out in self.graph.outputs:
+        if out is None or any(s is None for s in shapes) or static_shape(out) is None:
             return None
         if node.op in _MOVE_OPS and node.inputs[0] is concat.outputs[0]:
             return self._move(concat, axis, node, parts, shapes)

@@ -29,6 +29,12 @@ Semantics of one call of a graph with ``tokens`` = S and ``past`` = P:
   writes them at slots valid_len... of its cache itself;
 * ``logits`` ``[1, S, V]``.
 
+Additions beyond the agreed schema (readers may ignore them): ``source_roles`` -- the roles
+in the original export (``input_ids``, ``attention_mask``, ``position_ids`` or null,
+``logits``, ``past_key``/``past_value``, ``present_key``/``present_value``: its outputs that
+hold past + new); per part ``weight_bytes`` when split; per graph ``float_onnx`` -- the float
+graph a quantized part was made from.
+
 Paths in ``parts`` are relative to the manifest's folder.  With several parts, run them in
 order, feeding each part from a dict of every tensor produced so far (graph inputs and earlier
 parts' outputs) by name; the graph's outputs are the union of the parts' outputs.  Integer

@@ -113,27 +113,14 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------- docs/llm.md
-
-SECTION_BEGIN, SECTION_END = "<!-- llm:{name}:begin -->", "<!-- llm:{name}:end -->"
-
-
-def replace_section(text: str, name: str, body: str) -> str:
-    """``text`` with the marked section ``name`` replaced by ``body`` (appended when absent).
-
-    Several tools write docs/llm.md, each its own section: this one's is ``graphs``.
-    """
-    begin, end = SECTION_BEGIN.format(name=name), SECTION_END.format(name=name)
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        return head + block + rest.split(end, 1)[1]
-    return (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+# --------------------------------------------------------------------------- docs/llm_graphs.md
 
 
 def graphs_section(rows: list[dict[str, Any]]) -> str:
-    """The ``graphs`` section of docs/llm.md from the tool's per-export rows."""
-    lines = ["## Prefill + decode graphs on the HTP", "",
+    """docs/llm_graphs.md's table from ``tools/llm_figures.py``'s per-export rows."""
+    lines = ["# Prefill + decode graphs on the HTP", "",
+             "Written by `python tools/llm_figures.py --trained`; every figure is in `docs/llm_graphs.json`. "
+             "Accuracy and speed of the trained pair: `docs/llm.md` (`tools/llm_eval.py`).", "",
              "Each export through `qnnpasses llm` (static cache outside the graph, htp-llm applied). Placement and "
              "composed QNN op counts come from the real HTP backend (fp16, one probe per graph); KV-cache bytes count "
              "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·4 (float32 cache); "

@@ -153,6 +153,8 @@ class Runner:
         self.keys = [np.zeros(shape, kv_dtype) for _ in range(self.layers)]
         self.values = [np.zeros(shape, kv_dtype) for _ in range(self.layers)]
         self.valid_len = 0
+        #: per graph: [calls, wall seconds] of every :meth:`step` so far
+        self.timings: dict[str, list[float]] = {"prefill": [0, 0.0], "decode": [0, 0.0]}
 
     def open(self) -> None:
         """Create every session now (timed as ``load_seconds``); later calls do nothing."""
@@ -200,7 +202,10 @@ class Runner:
             for role, cache in (("past_key", self.keys), ("past_value", self.values)):
                 name = roles[role][i]
                 feeds[name] = cache[i][:, :, :p].astype(graph.dtype(name, cache[i].dtype), copy=False)
+        start = time.perf_counter()
         out = graph.run(feeds)
+        self.timings[graph_name][0] += 1
+        self.timings[graph_name][1] += time.perf_counter() - start
         for i in range(self.layers):
             for role, cache in (("new_key", self.keys), ("new_value", self.values)):
                 cache[i][:, :, v : v + count] = out[roles[role][i]][:, :, :count]
