@@ -242,3 +242,26 @@ def test_shared_plan_gives_shared_tensors_one_encoding(llama, tmp_path):
     assert all(enc["a"][n].scale == enc["b"][n].scale and enc["a"][n].offset == enc["b"][n].offset for n in common)
     rot = [r for r in result.results["a"].prep.records if r["pass"] == "rotate-residual"]
     assert rot and rot[0]["status"] == "changed"
+
+
+def test_sensitivity_ranks_layers_and_raising_them_helps(llama, tmp_path):
+    """The weakest layers by SQNR, raised to 8-bit weights in an int4 plan, bring the CPU score up."""
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.quant import precision_policy
+    from qnnpasses.quant.driver import ensure_pipeline, quant_prep
+    from qnnpasses.quant.sensitivity import raise_until
+
+    _, calib, evals = llama
+    ir = _prepared(LLAMA)
+    ensure_pipeline(ir)
+    data = CalibrationData(calib, model_inputs(ir))
+    quant_prep(ir, data)
+    prepared = save_model(ir, tmp_path / "prepared.onnx")
+    search = raise_until(prepared, data, CalibrationData(evals, model_inputs(ir)),
+                         precision_policy("w4a16", outliers=""), target_top1=0.999, budget=8, eval_samples=4)
+    sqnr = list(search.sqnr.values())
+    assert sqnr == sorted(sqnr) and 10 < sqnr[0] < 40  # dB, weakest first
+    first, last = search.steps[0], search.steps[-1]
+    assert first["raised"] == 0 and last["raised"] == 8 and not last["met"]  # 99.9% is out of reach: budget used
+    assert last["cosine"] > first["cosine"] and last["top1"] > first["top1"]
+    assert list(search.chosen.raised) == list(search.sqnr)[:8]

@@ -59,6 +59,13 @@ def register(subparsers) -> None:
     parser.add_argument("--evaluate", metavar="EVAL_DATA",
                         help="score the QDQ model on the real HTP against the fp32 model on CPU (disjoint from --calib)")
     parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples")
+    parser.add_argument("--target-top1", type=float, default=None, metavar="F",
+                        help="raise the layers with the lowest SQNR (8-bit weights in an int4 plan, 16-bit outputs "
+                             "with --act uint8) until top-1 agreement with fp32 reaches F on CPU (uses --evaluate data)")
+    parser.add_argument("--target-ppl-ratio", type=float, default=None, metavar="R",
+                        help="... until perplexity is at most R x fp32's")
+    parser.add_argument("--layer-budget", type=int, default=None, metavar="N",
+                        help="raise at most N layers (alone: raise exactly the N weakest)")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC",
                         help="pipeline run first, by name or textual (default htp-llm; skipped when the model "
                              "records that a qnnpasses pipeline already ran)")
@@ -74,6 +81,32 @@ def _policy(args) -> PrecisionPolicy:
                            sensitive_bits=16 if args.sensitive_16bit else None, sensitive=sensitive,
                            kv_bits=args.kv_bits, calibrate_method=args.calib_method, block_size=args.block_size,
                            weight_scales=scales, outliers=outlier_spec(args.outliers))
+
+
+def _sensitivity(args, policy: PrecisionPolicy, tmp: Path):
+    """Prepare once, rank the layers by SQNR and raise the weakest until the target (qnnpasses.quant.sensitivity)."""
+    from dataclasses import replace
+
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.quant.calibration import CalibrationData, model_inputs
+    from qnnpasses.quant.driver import ensure_pipeline, outlier_rewrites, quant_prep
+    from qnnpasses.quant.sensitivity import raise_until
+
+    if (args.target_top1 is not None or args.target_ppl_ratio is not None) and not args.evaluate:
+        raise BadInputError("--target-top1/--target-ppl-ratio need --evaluate DATA (held-out samples to score on)")
+    ir = load_model(args.model)
+    ensure_pipeline(ir, pipeline=args.pipeline, shapes=parse_shape_args(args.shape))
+    calib = CalibrationData(args.calib, model_inputs(ir))
+    quant_prep(ir, calib)
+    if policy.outliers:
+        outlier_rewrites(ir, policy.outliers, calib)
+    prepared = save_model(ir, tmp / "prepared.onnx")
+    evals = CalibrationData(args.evaluate, model_inputs(ir)) if args.evaluate else calib
+    search = raise_until(prepared, calib, evals, replace(policy, outliers=""), target_top1=args.target_top1,
+                         target_ppl_ratio=args.target_ppl_ratio, budget=args.layer_budget or 16,
+                         eval_samples=args.eval_samples or 8)
+    return prepared, search.chosen, search
 
 
 def outlier_spec(text: str) -> str:
@@ -93,9 +126,19 @@ def main(args) -> int:
         raise BadInputError("refusing to overwrite the input model; choose another --output")
     out = Path(args.output)
     prepared = out.with_name(out.stem + ".prepared.onnx") if args.overrides else None
-    result = quantize_model(args.model, args.calib, out, policy, shapes=parse_shape_args(args.shape),
-                            keep_prepared=prepared, pipeline=args.pipeline)
+    model, search = args.model, None
+    with tempfile.TemporaryDirectory(prefix="qnnpasses-sens-") as tmp:
+        if args.target_top1 is not None or args.target_ppl_ratio is not None or args.layer_budget:
+            model, policy, search = _sensitivity(args, policy, Path(tmp))
+        result = quantize_model(model, args.calib, out, policy, shapes=parse_shape_args(args.shape),
+                                keep_prepared=prepared, pipeline=args.pipeline, run_prep=search is None)
     report = result.as_dict()
+    if search is not None:
+        report["sensitivity"] = search.as_dict()
+        met = search.steps[-1]["met"] if search.steps else None
+        print(f"  sensitivity: raised {len(policy.raised)} layer(s) with the lowest SQNR "
+              f"(weakest {next(iter(search.sqnr.items()), ('-', 0))[0]}: {next(iter(search.sqnr.values()), 0):.1f} dB)"
+              + ("" if met is None else f"; target {'met' if met else 'NOT met within the budget'} on CPU"))
     print(f"{args.model} -> {out} ({policy.label()}, {result.seconds:.1f} s)")
     print(f"  calibrated on {result.calibration_samples} sample(s) from {args.calib} ({policy.calibrate_method})")
     plan = result.plan.summary()
