@@ -486,9 +486,6 @@ def probe_placement(
     timeout, a crash or a failed finalize gives ``ok=False`` and a one-line ``error``.
     ``keep_dir`` keeps the artefacts (log, profile, QNN graph JSON) there for inspection.
     """
-    from qnnpasses.progress import step
-
-    step(f"asking the {backend.upper()} backend about {Path(model_path).name} (up to {timeout:g} s)")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="qnnpasses_probe_") as tmp:
         work = Path(keep_dir) if keep_dir else Path(tmp)

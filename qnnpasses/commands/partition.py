@@ -22,7 +22,6 @@ from qnnpasses.commands.common import (
     shaped_path,
 )
 from qnnpasses.errors import BackendUnavailableError, BadInputError, CheckFailedError
-from qnnpasses.partition.picture import _span
 from qnnpasses.units import fmt_bytes, fmt_flops
 from qnnpasses.wording import explain
 
@@ -96,7 +95,10 @@ def _placement(model: str):
     from qnnpasses.backends.htp import htp_available, probe_placement
 
     if not htp_available():
-        raise BackendUnavailableError("--real needs onnxruntime-qnn with a working QNN HTP backend")
+        raise BackendUnavailableError("--placement htp needs onnxruntime-qnn with a working QNN HTP backend")
+    from qnnpasses.progress import step
+
+    step("asking the HTP backend where each node runs")
     placement = probe_placement(model, optimize=False)
     if placement.error and not placement.validation:
         raise BadInputError(f"the HTP backend could not load {model}: {placement.error}")
@@ -157,6 +159,8 @@ def node_accounting(ir, plan) -> dict:
 
 
 def render_text(plan, out: Path, check, nodes: dict | None = None, *, static_inputs: bool = False) -> str:
+    from qnnpasses.partition.picture import _span  # the picture module pulls in the partitioner
+
     counts = ", ".join(f"{n} {b.upper()}" for b, n in sorted(plan.counts().items()))
     lines = [f"{plan.model}: {counts} partition(s) (placement from the {plan.source}) -> {out / 'plan.json'}"]
     if nodes:

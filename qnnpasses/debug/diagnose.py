@@ -178,6 +178,9 @@ def diagnose(model_path: str | Path, *, timeout: float = 120.0, lint: bool = Tru
 
     start = time.monotonic()
     ir = load_model(model_path)
+    from qnnpasses.progress import step
+
+    step(f"loading the whole model on the HTP (up to {timeout:g} s)")
     whole = probe_placement(model_path, timeout=timeout)
     result = Diagnosis(str(model_path), ok=whole.ok, error=whole.error, backend_errors=whole.backend_errors,
                        root_cause=root_cause(whole.backend_errors))
