@@ -233,3 +233,17 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
         assert written is not None and written == read == _boundary_qparams(decode, new, "DequantizeLinear")
     report = json.loads((manifest_dir(manifest) / "report.json").read_text())
     assert report["quantized_verification"]["top1"] >= 0.9  # random weights, CPU
+
+
+def test_max_part_bytes_budget_gives_parts_within_it(built):
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.llm.split import plan_parts
+
+    manifest = built("llama_gqa_kv_dyn_ts")
+    ir = load_model(part_paths(manifest, "decode", compiled=False)[0])
+    weights = sum(int(np.prod(t.shape)) * 4 for t in ir.graph.tensors().values()
+                  if t.__class__.__name__ == "Constant" and t.shape and int(np.prod(t.shape)) > 1024)
+    _, plan = plan_parts(ir, manifest["graphs"]["decode"]["roles"]["input_ids"], max_part_bytes=weights // 2)
+    assert len(plan.partitions) >= 2
+    assert all(p.backend == "htp" for p in plan.partitions)
+    assert all(p.weight_bytes + p.peak_activation_bytes <= weights // 2 for p in plan.partitions)
