@@ -128,6 +128,29 @@ class RenamesSilently(Pass):
         return PassResult(changed=True)
 
 
+@register_pass
+class KeepsLastPosition(Pass):
+    """logits [1, S, V] -> logits[:, -1:, :]: what the output keeps is declared in map_reference."""
+
+    name = "test-contract-keeps-last-position"
+    summary = "the output keeps only the last position (tests only)"
+    contract = changes_interface("logits keep only the last position")
+
+    def map_reference(self, reference, inputs):
+        return {k: v[:, -1:, :] for k, v in reference.items()}
+
+    def run(self, ir, ctx):
+        def make(x, y):
+            starts, ends, axes = (gs.Constant(ctx.unique_name(ir, n), np.array(v, dtype=np.int64))
+                                  for n, v in (("s", [-1]), ("e", [2**62]), ("a", [1])))
+            return [gs.Node("Slice", inputs=[x, starts, ends, axes], outputs=[y], name=ctx.unique_name(ir, "slice"))]
+
+        _before_output(ir, ctx, make)
+        out = ir.graph.outputs[0]
+        out.shape = [out.shape[0], 1, *out.shape[2:]]
+        return PassResult(changed=True)
+
+
 ABSENT = register_property("test-absent", "never holds (tests only)", lambda ir: "it never holds").name
 
 
@@ -203,6 +226,13 @@ def test_an_interface_change_is_verified_through_its_declared_mapping():
     assert result.final_verification["ok"] and result.final_verification["max_abs"] == 0.0
     _, result = _run("test-contract-renames-silently")
     assert result.records[0].status == ROLLED_BACK and "output is missing" in result.records[0].reason
+
+
+def test_an_interface_change_of_values_is_verified_through_map_reference():
+    _, result = _run("test-contract-keeps-last-position,test-contract-renames-output")
+    assert [r.status for r in result.records] == [CHANGED, CHANGED]
+    assert result.final_verification["ok"] and result.final_verification["max_abs"] == 0.0
+    assert result.final_verification["outputs"][0]["name"] == "scores"
 
 
 def test_requires_skips_with_the_reason_and_ensures_is_checked():

@@ -48,7 +48,8 @@ min_cosine=, why=)``                Runs by default only when that tolerance is
 ``changes_interface("what")``       input/output shapes, dtypes or names change:
                                     verified with the tight tolerance through the
                                     pass's mapping (:meth:`Pass.planned_input_shapes`,
-                                    :meth:`Pass.output_renames`, dtype narrowing).
+                                    :meth:`Pass.output_renames`,
+                                    :meth:`Pass.map_reference`, dtype narrowing).
 ==================================  ==================================================
 
 Whether a pass changed the graph is decided by the manager from the graph (a
@@ -325,6 +326,15 @@ class Pass:
         Called before the pass runs; verification compares each old output to its new name.
         """
         return None
+
+    def map_reference(self, reference: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+        """The outputs the rewritten graph must produce, given the outputs before the pass
+        (already renamed by :meth:`output_renames`) on the verification ``inputs``: the
+        ``changes_interface`` mapping for passes whose outputs change more than their names
+        (e.g. a KV output cut to the new positions).  Called after the pass ran; by default
+        the outputs stay what they were.
+        """
+        return reference
 
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:

@@ -163,7 +163,7 @@ class PassManager:
         self._reference: list[dict[str, np.ndarray]] = []
         self._spare_snapshot: IRModel | None = None
         self._last_fingerprint: Fingerprint | None = None
-        self._renames: dict[str, str] = {}  # original output name -> its name now
+        self._mappings: list[tuple[Pass, dict[str, str]]] = []  # applied output mappings, in order
         self._applied: list[Contract] = []  # contracts of the passes that changed the graph
 
     # ------------------------------------------------------------------ driving
@@ -172,7 +172,7 @@ class PassManager:
         self.records, self.result = [], None
         self._spare_snapshot, self._last_fingerprint, self._applied = None, None, []
         original: list[dict[str, np.ndarray]] = []
-        self._renames = {t.name: t.name for t in ir.graph.outputs}
+        self._mappings = []
         if self.config.verify:
             original = self._prepare_cases(ir)
         for instrument in self.instruments:
@@ -315,7 +315,8 @@ class PassManager:
         _fill_structural_delta(record, before_keys, after_keys)
         self._applied.append(pass_.contract)
         self._last_fingerprint = after  # the check's shape refresh touches nothing a fingerprint holds
-        self._renames = {original: renames.get(now, now) for original, now in self._renames.items()}
+        if renames or type(pass_).map_reference is not Pass.map_reference:
+            self._mappings.append((pass_, renames))
         self._check_ensures(pass_, ir, record)
 
     def _check_ensures(self, pass_: Pass, ir: IRModel, record: PassRecord) -> None:
@@ -338,7 +339,7 @@ class PassManager:
         for case, reference, got in zip(self._cases, self._reference, outputs):
             if case.name not in contract.holds_on or isinstance(got, Exception):
                 continue
-            mapped = {renames.get(k, k): v for k, v in reference.items()}
+            mapped = pass_.map_reference({renames.get(k, k): v for k, v in reference.items()}, case.inputs)
             comparisons.setdefault(case.name, []).append(compare_outputs(
                 mapped, got, atol=atol, rtol=rtol, min_cosine=min_cosine, nan_is_undefined=True))
         record.verification = _verification_summary(comparisons, atol, rtol, min_cosine, self._cases)
@@ -370,7 +371,9 @@ class PassManager:
             if isinstance(got, Exception):
                 return {"ok": False, "max_abs": float("inf"), "cosine": 0.0, "outputs": [], "cases": {},
                         "failure": f"onnxruntime cannot run the output on case {case.name}: {_first_line(got)}"}
-            mapped = {self._renames.get(k, k): v for k, v in reference.items()}
+            mapped = dict(reference)
+            for pass_, renames in self._mappings:  # every interface change since the input, in order
+                mapped = pass_.map_reference({renames.get(k, k): v for k, v in mapped.items()}, case.inputs)
             comparisons.setdefault(case.name, []).append(compare_outputs(
                 mapped, got, atol=atol, rtol=rtol, min_cosine=min_cosine, nan_is_undefined=True))
         summary = _verification_summary(comparisons, atol, rtol, min_cosine, self._cases)
