@@ -35,6 +35,14 @@ def test_grid_is_weights_x_activations_x_sensitive_after_the_uniform_baseline():
     assert len(grid("uint8")) == 8  # the baseline is already a cell
 
 
+def test_grid_gains_the_int4_and_outlier_axes():
+    cells = grid(int4=True, outliers=("", "fold-norm-weights,rotate-residual"))
+    labels = [c.label() for c in cells]
+    assert len(cells) == 1 + 2 * 9
+    assert "wint4-pc a16 s16 mse" in labels and "wint4-pc a16 s16 mse rot" in labels
+    assert "wint8-pc a16 s16 rot" in labels and labels.index("wint8-pc a16 s16 rot") > labels.index("wint4-pc a16 s16 mse")
+
+
 def _cell(policy: PrecisionPolicy, cosine=None, top1=None, partitions=1, cpu=0, status="ok") -> Cell:
     return Cell(policy.label(), asdict(policy), status=status, qnn_partitions=partitions, cpu_nodes=cpu,
                 cosine=cosine, max_abs=None if cosine is None else 0.01, top1=top1,
@@ -62,7 +70,7 @@ def test_outputs_table_json_and_chart(tmp_path):
     text = markdown(result)
     rows = [line for line in text.splitlines() if line.startswith("| w")]
     assert len(rows) == 5
-    assert "| wint8-pc a8 s16 **best** | int8 per-channel | uint8 | 16-bit | 1 | 0 | 0.999500 |" in text
+    assert "| wint8-pc a8 s16 **best** | int8 per-channel | uint8 | 16-bit | none | 1 | 0 | 0.999500 |" in text
     assert "refused: could not create op" in text and "250.00 (249.00)" in text
     files = write_outputs(result, tmp_path)
     assert json.loads(files["json"].read_text())["cells"][4]["status"].startswith("refused")

@@ -24,6 +24,10 @@ def register(subparsers) -> None:
     add_deprecated(parser, "-o", "out_dir", "--out-dir VALUE")
     add_deprecated(parser, "--output", "out_dir", "--out-dir VALUE")
     parser.add_argument("--weights", choices=("int8", "uint8"), default="int8", help="weight type of every cell")
+    parser.add_argument("--int4", action="store_true", help="also the w4a16 cells (int4 per-channel weights, MSE scales)")
+    parser.add_argument("--outliers", default="none", metavar="LIST",
+                        help="outlier-rewrite axis, comma-separated: none, rotate (fold-norm-weights,rotate-residual); "
+                             "e.g. none,rotate repeats every cell with and without (default none)")
     parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None, help="KV cache width in every cell")
     parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples per cell")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC", help="pipeline run first (default htp-llm)")
@@ -47,7 +51,10 @@ def main(args) -> int:
     if args.eval_samples is not None and args.eval_samples < 1:
         raise BadInputError("--eval-samples must be at least 1")
     console = Console(file=sys.stderr)
-    policies = grid(args.weights, args.kv_bits)
+    from qnnpasses.commands.quantize import outlier_spec
+
+    policies = grid(args.weights, args.kv_bits, int4=args.int4,
+                    outliers=tuple(outlier_spec(o.strip()) for o in args.outliers.split(",") if o.strip()))
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:

@@ -1,7 +1,8 @@
 """The precision grid: every cell quantized, run on the real HTP backend and scored.
 
 Cells: weights per-tensor | per-channel  x  activations 8 | 16 bit  x  sensitive tensors
-(:mod:`qnnpasses.quant.policy`) 8 | 16 bit, after a baseline cell: uniform uint8 (uint8
+(:mod:`qnnpasses.quant.policy`) 8 | 16 bit (optionally also w4a16, and each cell with and
+without the outlier rewrites of ``passes/outliers``), after a baseline cell: uniform uint8 (uint8
 per-tensor weights, every activation 8 bit), the plain form of onnxruntime's QNN recipe.  The graph is prepared once (``htp-llm`` and the
 quantization-prep passes, calibrated on the calibration set) and every cell quantizes that
 prepared model with its own plan, then runs on the HTP in integer mode
@@ -31,10 +32,22 @@ from qnnpasses.quant.evaluate import evaluate
 from qnnpasses.quant.policy import PrecisionPolicy
 
 
-def grid(weights: str = "int8", kv_bits: int | None = None, baseline: bool = True) -> list[PrecisionPolicy]:
-    """The 8 cells (per-tensor first), after the uniform uint8 baseline (uint8 per-tensor weights) when asked."""
-    cells = [PrecisionPolicy(act=act, weights=weights, per_channel=pc, sensitive_bits=sens, kv_bits=kv_bits)
-             for pc in (False, True) for act in ("uint8", "uint16") for sens in (8, 16)]
+def grid(weights: str = "int8", kv_bits: int | None = None, baseline: bool = True, *, int4: bool = False,
+         outliers: tuple[str, ...] = ("",)) -> list[PrecisionPolicy]:
+    """The 8 cells (per-tensor first), after the uniform uint8 baseline (uint8 per-tensor weights) when asked.
+
+    ``int4``: also the w4a16 cells (int4 per-channel weights with MSE scales, 16-bit activations,
+    16-bit sensitive tensors), one per outlier rewrite.  ``outliers``: textual pipelines of
+    outlier rewrites (``""`` = none); every cell of the grid is repeated for each.
+    """
+    cells = []
+    for spec in outliers:
+        cells += [PrecisionPolicy(act=act, weights=weights, per_channel=pc, sensitive_bits=sens, kv_bits=kv_bits,
+                                  outliers=spec)
+                  for pc in (False, True) for act in ("uint8", "uint16") for sens in (8, 16)]
+        if int4:
+            cells.append(PrecisionPolicy(act="uint16", weights="int4", weight_scales="mse", kv_bits=kv_bits,
+                                         outliers=spec))
     if baseline and weights != "uint8":
         cells.insert(0, PrecisionPolicy(act="uint8", weights="uint8", per_channel=False, sensitive_bits=8,
                                         kv_bits=kv_bits))
@@ -149,15 +162,17 @@ def markdown(result: SweepResult) -> str:
     intro = (f"Calibration samples: {result.calibration_samples}; evaluation samples: {result.eval_samples} "
              "(disjoint). fp32 original on onnxruntime CPU vs QDQ on the QNN HTP backend (integer mode).")
     lines = [f"# Precision sweep: {Path(result.model).name}", "", intro, "",
-             "| cell | weights | act | sensitive | QNN partitions | CPU nodes | cosine | max abs | top-1 | ppl (fp32) | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cell | weights | act | sensitive | outlier rewrite | QNN partitions | CPU nodes | cosine | max abs | top-1 | "
+             "ppl (fp32) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result.cells:
         p = c.policy
         sens = p["sensitive_bits"] or (16 if p["act"] == "uint16" else 8)
         ppl = "-" if c.perplexity is None else f"{c.perplexity:.2f} ({c.reference_perplexity:.2f})"
         mark = " **best**" if best is not None and c is best else ""
         lines.append(f"| {c.label}{mark} | {p['weights']} {'per-channel' if p['per_channel'] else 'per-tensor'} | "
-                     f"{p['act']} | {sens}-bit | {_f(c.qnn_partitions, 'd')} | {_f(c.cpu_nodes, 'd')} | "
+                     f"{p['act']} | {sens}-bit | {p.get('outliers') or 'none'} | {_f(c.qnn_partitions, 'd')} | "
+                     f"{_f(c.cpu_nodes, 'd')} | "
                      f"{_f(c.cosine, '.6f')} | {_f(c.max_abs, '.4g')} | {_f(c.top1, '.1%')} | {ppl} | {c.status} |")
     return "\n".join(lines) + "\n"
 
