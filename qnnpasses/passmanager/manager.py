@@ -164,6 +164,7 @@ class PassManager:
         self._spare_snapshot: IRModel | None = None
         self._last_fingerprint: Fingerprint | None = None
         self._mappings: list[tuple[Pass, dict[str, str]]] = []  # applied output mappings, in order
+        self._dropped: list[dict[str, str]] = []  # cases the input model itself cannot run
         self._applied: list[Contract] = []  # contracts of the passes that changed the graph
 
     # ------------------------------------------------------------------ driving
@@ -172,14 +173,14 @@ class PassManager:
         self.records, self.result = [], None
         self._spare_snapshot, self._last_fingerprint, self._applied = None, None, []
         original: list[dict[str, np.ndarray]] = []
-        self._mappings = []
+        self._mappings, self._dropped, self._cases, self._reference = [], [], [], []
         if self.config.verify:
             original = self._prepare_cases(ir)
         for instrument in self.instruments:
             instrument.before_pipeline(ir, self.pipeline)
         self._run_items(self.pipeline.items, ir, iteration=None)
         result = self.result = RunResult(self.records, verification_cases=[
-            {"name": c.name, "detail": c.detail} for c in self._cases])
+            {"name": c.name, "detail": c.detail} for c in self._cases] + self._dropped)
         if original:
             result.final_verification = self._final_verification(ir, original)
         for instrument in self.instruments:
@@ -209,6 +210,8 @@ class PassManager:
                                 f"{_first_line(outputs[must], 200)}; give --shape or --inputs")
         # a case the input model itself cannot run (e.g. ids out of a range it checks) is no case
         kept = [(c, o) for c, o in zip(cases, outputs) if not isinstance(o, Exception)]
+        self._dropped = [{"name": c.name, "detail": c.detail, "dropped": f"the input model fails on it: {_first_line(o)}"}
+                         for c, o in zip(cases, outputs) if isinstance(o, Exception)]
         self._cases = [c for c, _ in kept]
         self._reference = [o for _, o in kept]
         return list(self._reference)
