@@ -213,8 +213,13 @@ def test_quantize_reads_a_relative_calibration_folder(tmp_path, capsys, monkeypa
 
 
 def test_partition_accounts_for_every_node_and_draws_png_and_svg(tmp_path, capsys):
+    code, text, _ = cli(capsys, "partition", TINY, "--out-dir", tmp_path / "deployed", "--no-picture")
+    # by default the graph every onnxruntime session hands the HTP: shape arithmetic folded, one HTP part
+    assert code == 0 and re.search(r"onnxruntime folds \d+ of the 288 nodes", text)
+    assert re.search(r"^  (\d+) nodes: \1 in partitions$", text, re.MULTILINE)  # every node it sees is placed
+    assert json.loads((tmp_path / "deployed" / "plan.json").read_text())["counts"] == {"htp": 1}
     out = tmp_path / "parts"
-    code, text, _ = cli(capsys, "partition", TINY, "--out-dir", out)
+    code, text, _ = cli(capsys, "partition", TINY, "--out-dir", out, "--as-written")
     plan = json.loads((out / "plan.json").read_text())
     placed = sum(len(p["nodes"]) for p in plan["partitions"])
     constant = len({n for p in plan["partitions"] for n in p["constant_nodes"]})

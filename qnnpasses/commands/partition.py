@@ -71,6 +71,9 @@ def register(subparsers) -> None:
     add_deprecated(p, "--check-on", "on", "--on VALUE")
     p.add_argument("--inputs", metavar="X.npz", help="inputs for --check (default: seeded random inputs)")
     add_shape_arg(p)
+    p.add_argument("--as-written", action="store_true",
+                   help="partition the graph exactly as written, before onnxruntime folds its constants on load "
+                        "(by default the graph every session hands the HTP is partitioned)")
     p.add_argument("--no-picture", action="store_true", help="do not draw partitions.png/.svg")
     add_format_arg(p)
     p.set_defaults(func=main)
@@ -91,7 +94,7 @@ def _options(args):
                             keep_islands=args.keep_islands)
 
 
-def _placement(model: str):
+def _placement(model: str, *, optimize: bool = True):
     from qnnpasses.backends.htp import htp_available, probe_placement
 
     if not htp_available():
@@ -99,7 +102,7 @@ def _placement(model: str):
     from qnnpasses.progress import step
 
     step("asking the HTP backend where each node runs")
-    placement = probe_placement(model, optimize=False)
+    placement = probe_placement(model, optimize=optimize)
     if placement.error and not placement.validation:
         raise BadInputError(f"the HTP backend could not load {model}: {placement.error}")
     return placement
@@ -114,11 +117,21 @@ def main(args) -> int:
         raise BadInputError("partition needs --out-dir DIR (the folder to write the partitions into)")
     options = _options(args)
     ir = load_shaped(args)
+    written_nodes, folded, view_note = len(ir.graph.nodes), [], ""
+    if not args.as_written:  # the graph every onnxruntime session hands the EP (constants folded)
+        from qnnpasses.op_support.deployed import deployed_view
+
+        with shaped_path(args) as path:
+            view = deployed_view(path, [n.name for n in ir.graph.nodes])
+        if view.ir is not None:
+            view.ir.path = Path(args.model)
+            ir, folded = view.ir, view.folded
+        view_note = view.note
     ng = build_node_graph(ir)
     placement = None
     if args.placement == "htp":
         with shaped_path(args) as path:
-            placement = _placement(path)
+            placement = _placement(path, optimize=not args.as_written)
     plan = make_plan(ir, options, placement=placement, node_graph=ng)
     out = Path(args.out_dir)
     write_partitions(ir, plan, out, node_graph=ng, picture=not args.no_picture)
@@ -136,6 +149,7 @@ def main(args) -> int:
         data["check"] = report["check"]
         (out / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
     report["nodes"] = node_accounting(ir, plan)
+    report["nodes"].update(as_written=written_nodes, folded_on_load=len(folded), view_note=view_note)
     print(json.dumps(report, indent=2) if args.format == "json" else render_text(plan, out, check, report["nodes"],
                                                                                       static_inputs=inputs_static(ir)))
     if check is not None and not check.ok:
@@ -163,6 +177,11 @@ def render_text(plan, out: Path, check, nodes: dict | None = None, *, static_inp
 
     counts = ", ".join(f"{n} {b.upper()}" for b, n in sorted(plan.counts().items()))
     lines = [f"{plan.model}: {counts} partition(s) (placement from the {plan.source}) -> {out / 'plan.json'}"]
+    if nodes and nodes.get("folded_on_load"):
+        lines.append(f"  onnxruntime folds {nodes['folded_on_load']} of the {nodes['as_written']} nodes when it loads "
+                     "the model (constant and shape arithmetic); the rest is partitioned (--as-written: all of them)")
+    elif nodes and nodes.get("view_note"):
+        lines.append(f"  note: {nodes['view_note']}")
     if nodes:
         text = f"  {nodes['total']} nodes: {nodes['in_partitions']} in partitions"
         if nodes["constant_only"]:
