@@ -75,8 +75,11 @@ class IRDumpInstrument(Instrument):
 # --------------------------------------------------------------------------- the run summary
 
 
-def _delta(op_delta: dict[str, int]) -> str:
-    return " ".join(f"{op}{n:+d}" for op, n in op_delta.items())
+def _delta(op_delta: dict[str, int], limit: int = 5) -> str:
+    """The largest op-count changes first, at most ``limit`` (report.json keeps them all)."""
+    ranked = sorted(op_delta.items(), key=lambda kv: (-abs(kv[1]), kv[0]))
+    text = " ".join(f"{op}{n:+d}" for op, n in ranked[:limit])
+    return text + (f" +{len(ranked) - limit} more" if len(ranked) > limit else "")
 
 
 def opset_changes(report: dict) -> list[str]:
