@@ -88,7 +88,9 @@ def _run_child(args: list[str], work: Path, tag: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"{tag}: timed out after {CHILD_TIMEOUT:g}s"}
     if not result_path.exists():
-        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] if proc.stderr else []
+        from qnnpasses.backends.htp import strip_ansi
+
+        tail = strip_ansi(proc.stderr.decode(errors="replace")).strip().splitlines()[-1:] if proc.stderr else []
         return {"ok": False, "error": f"{tag}: backend process exited with status {proc.returncode} {' '.join(tail)}".strip()}
     return json.loads(result_path.read_text())
 
