@@ -10,9 +10,9 @@ import json
 
 import numpy as np
 import pytest
+import qnnpasses.passes  # noqa: F401 - registers the passes the llm build runs
 from conftest import fixture_path, htp_backend_available, requires_htp
 
-import qnnpasses.passes  # noqa: F401 - registers the passes the llm build runs
 from qnnpasses.cli import main as cli_main
 from qnnpasses.llm.convert import build
 from qnnpasses.llm.reference import ReferenceModel
@@ -28,7 +28,7 @@ NEW = 24
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     out = tmp_path_factory.mktemp("llm") / "pair"
-    build(SOURCE, out, context=CONTEXT, prefill=PREFILL, compile=htp_backend_available())
+    build(SOURCE, out, context=CONTEXT, prefill=PREFILL, compile=htp_backend_available(), probe=False)
     return out
 
 
@@ -40,11 +40,11 @@ def reference():
 @pytest.fixture(scope="module")
 def cpu_run(pair):
     runner = Runner(pair, on="cpu")
-    return runner, runner.generate(PROMPT, NEW)
+    return runner, runner.generate(PROMPT, NEW, keep_logits=True)
 
 
 def test_cpu_greedy_tokens_are_the_original_exports(cpu_run, reference):
-    runner, result = cpu_run
+    _runner, result = cpu_run
     assert result.tokens == reference.generate(PROMPT, NEW)
     assert len(result.tokens) == NEW and result.stopped == "max_new_tokens"
     assert result.prefill_calls == 3 and result.decode_calls == NEW - 1
@@ -60,6 +60,13 @@ def test_teacher_forced_logits_match_the_original(cpu_run, reference):
     assert got.shape == (len(PROMPT) + NEW, VOCAB)
     assert np.max(np.abs(got - want)) <= 1e-4 * max(1.0, float(np.max(np.abs(want))))
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_teacher_forcing_on_its_own_tokens_is_the_generation(cpu_run):
+    """Scoring the prompt + the generated tokens repeats the generation's calls exactly (what
+    tools/llm_eval.py relies on to count identical leading tokens by teacher forcing)."""
+    runner, result = cpu_run
+    assert np.array_equal(runner.score(PROMPT, result.tokens[:-1]), result.logits)
 
 
 def test_generation_stops_when_the_context_is_full(pair, reference):

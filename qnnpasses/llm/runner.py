@@ -56,6 +56,9 @@ class Generation:
     load_seconds: float = 0.0
     on: str = "cpu"
     files: dict[str, list[str]] = field(default_factory=dict)
+    #: with ``keep_logits``: the logits of every fed position (prompt + new tokens but the last),
+    #: i.e. exactly what teacher forcing on this generation's own tokens computes
+    logits: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def decode_seconds_per_token(self) -> float | None:
@@ -63,6 +66,7 @@ class Generation:
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("logits")
         data["decode_seconds_per_token"] = self.decode_seconds_per_token
         return data
 
@@ -234,7 +238,7 @@ class Runner:
             raise RunnerError(f"the prompt has {len(ids)} tokens, more than the context ({self.context})")
         return ids
 
-    def generate(self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int) -> Generation:
+    def generate(self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int, keep_logits: bool = False) -> Generation:
         """Greedy generation from an empty cache: prefill the prompt, then decode."""
         ids = self.check_prompt(prompt_ids)
         if max_new_tokens < 0:
@@ -251,13 +255,17 @@ class Runner:
         start = time.perf_counter()
         logits, result.prefill_calls = self.feed(ids)
         result.prefill_seconds = time.perf_counter() - start
+        kept = [logits] if keep_logits else []
         result.tokens.append(int(np.argmax(logits[-1])))
         while len(result.tokens) < budget:
             start = time.perf_counter()
             logits, _ = self.feed(result.tokens[-1:])
             result.decode_seconds += time.perf_counter() - start
             result.decode_calls += 1
+            kept += [logits] if keep_logits else []
             result.tokens.append(int(np.argmax(logits[-1])))
+        if keep_logits:
+            result.logits = np.concatenate(kept)
         return result
 
     def score(self, prompt_ids: list[int] | np.ndarray, continuation: list[int] | np.ndarray) -> np.ndarray:
