@@ -1,7 +1,7 @@
 """onnxruntime-genai model-builder models (tests/fixtures/genai, made by tools/genai_models.py build)
 through htp-llm: loaded despite onnxruntime-only ops, lowered to standard ONNX, on the HTP.
 
-- fp32 build: 1 QNN partition, 0 CPU nodes in fp16 (CPU fallback disabled), cosine >= 0.9999
+- fp32 builds (LLaMA, Qwen2 with q/k/v biases): 1 QNN partition, 0 CPU nodes in fp16 (CPU fallback disabled), cosine >= 0.9999
   against the original (contrib ops) on onnxruntime CPU; past/present KV stay graph I/O.
 - int4 build: the builder's 4-bit block weights survive htp-llm and ``qnnpasses quantize``
   unchanged, and the quantized model runs entirely on the HTP in integer mode.
@@ -22,11 +22,13 @@ from qnnpasses.cli import main
 from qnnpasses.ir.load import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from genai_models import DEFAULT_FIXTURES, FP16_TOLERANCE, htp_placement, prefill_shapes, verification_inputs  # noqa: E402
+from genai_models import DEFAULT_FIXTURES, FP16_TOLERANCE, htp_placement, prefill_shapes, verification_inputs
 
 FP32 = DEFAULT_FIXTURES / "llama_fp32" / "model.onnx"
 INT4 = DEFAULT_FIXTURES / "llama_int4" / "model.onnx"
 FP16 = DEFAULT_FIXTURES / "llama_fp16" / "model.onnx"
+QWEN = DEFAULT_FIXTURES / "qwen2_fp32" / "model.onnx"
+FLOAT_BUILDS = {"llama_fp32": FP32, "qwen2_fp32": QWEN}
 CONTRIB = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "GroupQueryAttention", "MatMulNBits"}
 
 
@@ -35,7 +37,7 @@ def lowered(tmp_path_factory):
     """htp-llm outputs of both builds, made once (strict, verified on CPU)."""
     out = tmp_path_factory.mktemp("genai")
     paths = {}
-    for name, model, lossy in (("fp32", FP32, False), ("int4", INT4, True)):
+    for name, model, lossy in (("llama_fp32", FP32, False), ("qwen2_fp32", QWEN, False), ("int4", INT4, True)):
         paths[name] = out / f"{name}.onnx"
         args = ["run", "-q", "--pipeline", "htp-llm", str(model), "-o", str(paths[name]), "--verify", "--strict"]
         assert main(args + (["--allow-lossy"] if lossy else [])) == 0
@@ -70,25 +72,26 @@ def test_lowered_graphs_are_standard_onnx_with_kv_cache_io(lowered):
         past = [i for i in graph.input if i.name.startswith("past_key_values.")]
         present = [o for o in graph.output if o.name.startswith("present.")]
         assert len(past) == len(present) == 4
-        dims = lambda v: [d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+        dims = lambda v: [d.dim_value for d in v.type.tensor_type.shape.dim]
         mask = next(i for i in graph.input if i.name == "attention_mask")
         # static, and consistent: present = past + new, the mask spans both
         assert dims(present[0])[2] == dims(past[0])[2] + dims(graph.input[0])[1] == dims(mask)[1]
 
 
 @requires_htp
-def test_fp32_build_runs_entirely_on_htp(lowered, tmp_path):
+@pytest.mark.parametrize("name", sorted(FLOAT_BUILDS))
+def test_fp32_build_runs_entirely_on_htp(lowered, tmp_path, name):
     from qnnpasses.backends.htp import htp_session, parse_profile
 
-    inputs = verification_inputs(FP32)
-    expected = run_cpu(FP32, inputs)  # the original, contrib ops and all
-    session = htp_session(lowered["fp32"], fp16=True, disable_cpu_fallback=True, profiling=True,
+    inputs = verification_inputs(FLOAT_BUILDS[name])
+    expected = run_cpu(FLOAT_BUILDS[name], inputs)  # the original, contrib ops and all
+    session = htp_session(lowered[name], fp16=True, disable_cpu_fallback=True, profiling=True,
                           profile_prefix=str(tmp_path / "p"))
     names = [o.name for o in session.get_outputs()]
-    got = dict(zip(names, session.run(names, adapt_inputs(load_model(lowered["fp32"]), inputs))))
+    got = dict(zip(names, session.run(names, adapt_inputs(load_model(lowered[name]), inputs))))
     assert parse_profile(session.end_profiling()) == (1, [])
-    for name in names:
-        assert cosine_similarity(got[name], expected[name]) >= 0.9999, name
+    for output in names:
+        assert cosine_similarity(got[output], expected[output]) >= 0.9999, output
 
 
 @requires_htp

@@ -81,7 +81,7 @@ def test_decode_step_with_longer_past_matches():
     model = gqa_model()
     inputs = make_inputs(load_model(model), 3, {"query": [1, 1, 128], "attention_mask": [1, 21],
                                                 "past_key": [1, 2, 20, D], "past_value": [1, 2, 20, D]})
-    ir, record = run_strictly(model, "lower-gqa", inputs=inputs)
+    ir, _ = run_strictly(model, "lower-gqa", inputs=inputs)
     expected, got = run_cpu(load_model(model), inputs), run_cpu(ir, inputs)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=1e-5)
@@ -96,8 +96,8 @@ def test_verification_shapes_bind_mask_to_past_plus_sequence():
 
 def test_unsupported_variant_is_left_with_the_reason():
     model = gqa_model()
-    node = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"][0]
+    node = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
     node.attribute.append(helper.make_attribute("local_window_size", 4))
-    ir, record = run_strictly(model, "lower-gqa")
+    _, record = run_strictly(model, "lower-gqa")
     assert record.stats == {"lowered": 0, "left": 1}
     assert "local_window_size" in record.notes[0]

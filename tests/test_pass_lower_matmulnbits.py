@@ -99,5 +99,5 @@ def test_act_order_is_left_with_the_reason():
     node = model.graph.node[0]
     node.input.extend(["", "g_idx"])
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(64, np.int32), "g_idx"))
-    ir, record = run_strictly(model, "lower-matmulnbits")
+    _, record = run_strictly(model, "lower-matmulnbits")
     assert record.stats == {"lowered": 0, "left": 1} and "g_idx" in record.notes[0]

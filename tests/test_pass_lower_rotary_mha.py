@@ -62,5 +62,5 @@ def test_unidirectional_attention_is_left_with_the_reason():
     vi = helper.make_tensor_value_info
     model = _model([node], [vi(n, TensorProto.FLOAT, [1, 8, HEADS * D]) for n in "qkv"],
                    [vi("out", TensorProto.FLOAT, [1, 8, HEADS * D])])
-    ir, record = run_strictly(model, "lower-mha")
+    _, record = run_strictly(model, "lower-mha")
     assert record.stats == {"lowered": 0, "left": 1} and "unidirectional" in record.notes[0]

@@ -8,7 +8,8 @@ LLMs reach onnxruntime; its output uses onnxruntime contrib ops (``SimplifiedLay
 writes a small random-weight LLaMA config (2 layers, hidden 64, 4 heads / 2 KV heads, vocab
 256) with transformers, a word-level tokenizer with ``tokenizers``, and runs the builder on it
 for each precision: ``llama_fp32``, ``llama_int4`` (``MatMulNBits``, block 32) and
-``llama_fp16`` (``RotaryEmbedding`` + ``MultiHeadAttention``), CPU target.
+``llama_fp16`` (``RotaryEmbedding`` + ``MultiHeadAttention``), CPU target; and the same config as
+Qwen2 (q/k/v biases set to random values so that the builder keeps them), ``qwen2_fp32``.
 
     pip install onnxruntime-genai        # plus the export extra (torch, transformers)
     python tools/genai_models.py build [--out tests/fixtures/genai]
@@ -38,7 +39,9 @@ from qnnpasses.passmanager.named import CONTRIB_LOWERINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FIXTURES = ROOT / "tests" / "fixtures" / "genai"
-PRECISIONS = ("fp32", "int4", "fp16")
+#: fixture name -> (architecture, builder precision)
+FIXTURES = {"llama_fp32": ("llama", "fp32"), "llama_int4": ("llama", "int4"), "llama_fp16": ("llama", "fp16"),
+            "qwen2_fp32": ("qwen2", "fp32")}
 # The builder calls FP16+CPU an invalid combination; what it writes anyway (RotaryEmbedding +
 # MultiHeadAttention, position_ids input) runs on onnxruntime only with an empty cache (its mask
 # subgraph's Expand fails for past > 0), so the fp16 build is measured as a prefill with past = 0.
@@ -53,34 +56,43 @@ CONTRIB = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "
 # ----------------------------------------------------------------------------- build
 
 
-def write_hf_model(directory: Path, seed: int = 0) -> None:
-    """A random-weight LLaMA checkpoint + tokenizer in Hugging Face's layout (no hub access)."""
+def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0) -> None:
+    """A random-weight LLaMA or Qwen2 checkpoint + tokenizer in Hugging Face's layout (no hub access)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**CONFIG)).eval().save_pretrained(directory)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    model = model_cls(config_cls(**CONFIG)).eval()
+    if arch == "qwen2":  # initialised to zero, which the builder would drop
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(directory)
 
 
-def build(out: Path, precisions=PRECISIONS) -> list[Path]:
-    """Run the builder on the random checkpoint for each precision -> ``out/llama_<p>/model.onnx``."""
+def build(out: Path, names=tuple(FIXTURES)) -> list[Path]:
+    """Run the builder on the random checkpoints -> ``out/<arch>_<precision>/model.onnx``."""
     made = []
     with tempfile.TemporaryDirectory() as tmp:
-        hf = Path(tmp) / "hf"
-        write_hf_model(hf)
-        for precision in precisions:
-            target = out / f"llama_{precision}"
+        for name in names:
+            arch, precision = FIXTURES[name]
+            hf = Path(tmp) / f"hf_{arch}"
+            if not hf.exists():
+                write_hf_model(hf, arch)
+            target = out / name
             target.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(target),
                        "-p", precision, "-e", "cpu", "-c", str(Path(tmp) / "cache")]
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0 or not (target / "model.onnx").exists():
-                raise SystemExit(f"builder failed for {precision}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+                raise SystemExit(f"builder failed for {name}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
             for extra in ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
                 (target / extra).unlink(missing_ok=True)  # the graph and its weights are the fixture
             made.append(target / "model.onnx")
@@ -147,7 +159,7 @@ def htp_placement(model: Path, original: Path, *, fp16: bool = True, shapes=None
         feeds = adapt_inputs(load_model(model), {k: v for k, v in inputs.items() if k in {i.name for i in session.get_inputs()}})
         got = dict(zip(names, session.run(names, feeds)))
         partitions, cpu_nodes = parse_profile(session.end_profiling())
-    as64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    as64 = lambda a: np.asarray(a, dtype=np.float64)
     return {"qnn_partitions": partitions, "cpu_nodes": len(cpu_nodes), "cpu_ops": dict(Counter(n.split("_qp")[0] for n in cpu_nodes)),
             "cosine": {k: float(cosine_similarity(as64(got[k]), as64(reference[k]))) for k in names},
             "max_abs": {k: float(np.abs(as64(got[k]) - as64(reference[k])).max()) for k in names}}
@@ -177,7 +189,7 @@ def graph_facts(path: Path) -> dict:
     proto = onnx.load(str(path), load_external_data=False)
     ops = Counter(n.op_type for n in proto.graph.node)
     dtypes = Counter(onnx.TensorProto.DataType.Name(t.data_type) for t in proto.graph.initializer)
-    dims = lambda v: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]  # noqa: E731
+    dims = lambda v: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
     return {"ops": dict(sorted(ops.items())), "contrib_ops": sorted(set(ops) & CONTRIB), "initializer_dtypes": dict(dtypes),
             "kv_inputs": {v.name: dims(v) for v in proto.graph.input if "past" in v.name},
             "kv_outputs": {v.name: dims(v) for v in proto.graph.output if "present" in v.name}}
@@ -261,7 +273,7 @@ def probe_cast_mul(seed: int = 0) -> dict:
         onnx.save(model, str(t / "cast_mul.onnx"))
         np.savez(t / "calib.npz", x=rng.standard_normal((1, 16, 64)).astype(np.float32))
         feeds = {"x": rng.standard_normal((1, 16, 64)).astype(np.float32)}
-        reference = list(run_cpu(t / "cast_mul.onnx", feeds).values())[0]
+        reference = next(iter(run_cpu(t / "cast_mul.onnx", feeds).values()))
         assert main(["run", "-q", "--passes", "weight-only-dq,cleanup", str(t / "cast_mul.onnx"), "-o", str(t / "dq.onnx")]) == 0
         for form in ("cast_mul", "dq"):
             assert main(["quantize", str(t / f"{form}.onnx"), "--calib", str(t / "calib.npz"), "-o", str(t / f"q_{form}.onnx")]) == 0
@@ -284,21 +296,21 @@ def probe_cast_mul(seed: int = 0) -> dict:
 def report(fixtures: Path, out: Path) -> dict:
     results: dict = {"config": CONFIG, "models": {}, "weight_dq_probe": probe_weight_dq(), "cast_mul": probe_cast_mul()}
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in PRECISIONS:
-            model = fixtures / f"llama_{precision}" / "model.onnx"
+        for name, (arch, precision) in FIXTURES.items():
+            model = fixtures / name / "model.onnx"
             if not model.exists():
                 continue
-            lowered = Path(tmp) / f"llama_{precision}.htp.onnx"
+            lowered = Path(tmp) / f"{name}.htp.onnx"
             shapes = prefill_shapes(model) if precision in PREFILL_ONLY else None
             run = run_pipeline(model, lowered, lossy=precision == "int4", shapes=shapes,
                                extra=FP16_TOLERANCE if precision == "fp16" else None)
             lowerings = {p["name"]: p["stats"] for p in run["passes"] if p["name"] in CONTRIB_LOWERINGS and p["status"] == "changed"}
-            entry = {"before": graph_facts(model), "after": graph_facts(lowered), "lowerings": lowerings,
-                     "prefill_only": precision in PREFILL_ONLY, "cpu_verification": run.get("final_verification"),
-                     "htp_fp16": htp_placement(lowered, model, shapes=shapes)}
+            entry = {"arch": arch, "precision": precision, "before": graph_facts(model), "after": graph_facts(lowered),
+                     "lowerings": lowerings, "prefill_only": precision in PREFILL_ONLY,
+                     "cpu_verification": run.get("final_verification"), "htp_fp16": htp_placement(lowered, model, shapes=shapes)}
             if precision == "int4":
-                entry["quantized"] = quantize_int4(lowered, model, Path(tmp) / "int4_q.onnx")
-            results["models"][precision] = entry
+                entry["quantized"] = quantize_int4(lowered, model, Path(tmp) / f"{name}_q.onnx")
+            results["models"][name] = entry
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     out.with_suffix(".md").write_text(render(results))
@@ -309,23 +321,23 @@ def render(results: dict) -> str:
     c = results["config"]
     lines = ["# onnxruntime-genai model-builder models through `htp-llm`", "",
              "Written by `python tools/genai_models.py report` (all figures in `docs/genai.json`).  Fixtures "
-             "(`tests/fixtures/genai/llama_{fp32,int4,fp16}`, `python tools/genai_models.py build`): onnxruntime-genai's "
-             f"model builder on a random-weight LLaMA ({c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+             "(`tests/fixtures/genai/`, `python tools/genai_models.py build`): onnxruntime-genai's "
+             f"model builder on random-weight LLaMA and Qwen2 configs ({c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
              f"{c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads, vocab {c['vocab_size']}), CPU target, "
              "with past/present KV cache.  Placement: onnxruntime-qnn's HTP backend, CPU fallback allowed so that CPU "
              "nodes are counted; accuracy: against the original graph (contrib ops) on onnxruntime CPU, same inputs.", "",
              "| build | contrib ops in the export | lowered by | HTP (fp16 mode) after `htp-llm` | cosine (logits) |",
              "|---|---|---|---|---|"]
-    for precision, m in results["models"].items():
+    for name, m in results["models"].items():
         htp = m["htp_fp16"]
         placed = f"{htp['qnn_partitions']} partition(s), {htp['cpu_nodes']} CPU nodes"
         if htp["cpu_ops"]:
             placed += " (" + ", ".join(f"{op.rsplit('/', 1)[-1]} x{n}" for op, n in htp["cpu_ops"].items()) + ")"
         lowered = ", ".join(f"{name} ({stats.get('lowered', '?')})" for name, stats in m["lowerings"].items())
-        label = precision + (" (prefill, empty cache)" if m["prefill_only"] else "")
+        label = name + (" (prefill, empty cache)" if m["prefill_only"] else "")
         lines.append(f"| {label} | {', '.join(m['before']['contrib_ops'])} | {lowered} | {placed} | "
                      f"{htp['cosine'].get('logits', float('nan')):.7f} |")
-    q = results["models"].get("int4", {}).get("quantized")
+    q = results["models"].get("llama_int4", {}).get("quantized")
     if q:
         h = q["htp_integer"]
         lines += ["", f"**int4 build, quantized** (`htp-llm --allow-lossy`, then `qnnpasses quantize`, 4 calibration "
@@ -334,10 +346,10 @@ def render(results: dict) -> str:
                   f"{h['cpu_nodes']} CPU nodes, logits cosine {h['cosine']['logits']:.4f} against the int4 original on CPU "
                   "(random weights; activations quantized to 16 bit)."]
     lines += ["", "KV cache after lowering (graph I/O; static after `fix-shapes`, total = past + new):", ""]
-    for precision, m in results["models"].items():
+    for name, m in results["models"].items():
         kv_in = next(iter(m["after"]["kv_inputs"].items()), ("-", []))
         kv_out = next(iter(m["after"]["kv_outputs"].items()), ("-", []))
-        lines.append(f"- {precision}: {len(m['after']['kv_inputs'])} past inputs (`{kv_in[0]}` {kv_in[1]}), "
+        lines.append(f"- {name}: {len(m['after']['kv_inputs'])} past inputs (`{kv_in[0]}` {kv_in[1]}), "
                      f"{len(m['after']['kv_outputs'])} present outputs (`{kv_out[0]}` {kv_out[1]})")
     lines += ["", "Notes:", "",
               "- `lower-matmulnbits` runs only with `--allow-lossy`: the builder writes `accuracy_level=4`, for which "
@@ -376,13 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the fixtures with onnxruntime-genai's model builder")
     b.add_argument("--out", type=Path, default=DEFAULT_FIXTURES)
-    b.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated: fp32,int4,fp16")
+    b.add_argument("--only", default=",".join(FIXTURES), help=f"comma-separated, from {','.join(FIXTURES)}")
     r = sub.add_parser("report", help="htp-llm + HTP measurements -> docs/genai.md/.json")
     r.add_argument("--fixtures", type=Path, default=DEFAULT_FIXTURES)
     r.add_argument("--out", type=Path, default=ROOT / "docs" / "genai")
     args = parser.parse_args(argv)
     if args.command == "build":
-        for path in build(args.out, tuple(args.precisions.split(","))):
+        for path in build(args.out, tuple(args.only.split(","))):
             print(path)
     else:
         report(args.fixtures, args.out)
