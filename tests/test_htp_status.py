@@ -26,7 +26,7 @@ def test_a_failing_ep_or_no_device_is_broken_with_the_reason(monkeypatch):
         raise RuntimeError("libQnnHtp.so: cannot open shared object file")
     state, reason = _probe_with(monkeypatch, crashes)
     assert state == htp.BROKEN and "RuntimeError: libQnnHtp.so" in reason
-    assert _probe_with(monkeypatch, lambda: [])[0] == htp.BROKEN
+    assert _probe_with(monkeypatch, list)[0] == htp.BROKEN
 
 
 def test_htp_tests_fail_in_ci_when_the_backend_does_not_load():

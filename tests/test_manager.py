@@ -329,7 +329,7 @@ def test_a_pass_that_says_unchanged_is_checked_anyway_and_strict_fails(tmp_path,
 
 
 def test_a_pass_that_breaks_only_padded_rows_fails_strict(tmp_path, capsys):
-    code, out, report, err = _cli_run(tmp_path, capsys, _BREAK_PADDED_ROWS, "test-zero-padded-rows", "--strict")
+    code, out, report, _ = _cli_run(tmp_path, capsys, _BREAK_PADDED_ROWS, "test-zero-padded-rows", "--strict")
     assert code == 1 and not out.exists()
     cases = report["passes"][0]["verification"]["cases"]
     assert cases["random"]["ok"] and cases["random"]["max_abs"] == 0.0  # all-ones masks see nothing
@@ -356,7 +356,7 @@ def test_a_pass_that_says_changed_but_did_nothing_is_unchanged():
         def run(self, ir, ctx):
             return PassResult(changed=True)
 
-    ir, result = _run("test-boasts")
+    _, result = _run("test-boasts")
     assert result.records[0].status == UNCHANGED and result.records[0].misreported
 
 

@@ -26,8 +26,20 @@ from qnnpasses.passmanager.api import (
     register_property,
     registered_passes,
 )
-from qnnpasses.passmanager.manager import CHANGED, ROLLED_BACK, SKIPPED, PassManager, RunConfig
-from qnnpasses.passmanager.named import HTP_LLM_FIRST, HTP_LLM_LAST, HTP_LLM_PASSES, derive_order, named_pipelines
+from qnnpasses.passmanager.manager import (
+    CHANGED,
+    ROLLED_BACK,
+    SKIPPED,
+    PassManager,
+    RunConfig,
+)
+from qnnpasses.passmanager.named import (
+    HTP_LLM_FIRST,
+    HTP_LLM_LAST,
+    HTP_LLM_PASSES,
+    derive_order,
+    named_pipelines,
+)
 from qnnpasses.passmanager.spec import parse_pipeline
 
 MODEL = "llama_gqa_ts"  # input_ids + attention_mask -> logits

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-import readme_figures  # noqa: E402
+import readme_figures
 
 # the README's figure blocks: the benchmark table and ratios, the trained-weight table, the
 # sweep grid and the scale/speed bullets

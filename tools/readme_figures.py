@@ -26,12 +26,12 @@ import math
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-BLOCK = re.compile(r"(<!-- generated: (\S+) (\S+) -->\n)(.*?)(<!-- end -->)", re.S)
+BLOCK = re.compile(r"(<!-- generated: (\S+) (\S+) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
 
 Renderer = Callable[[Path], str]
 RENDERERS: dict[str, Renderer] = {}
@@ -146,8 +146,8 @@ def trained_table(path: Path) -> str:
     for row in result["rows"]:
         ppl = f"{row['perplexity']:,.0f}" if row["perplexity"] >= 10_000 else f"{row['perplexity']:,.2f}"
         lines.append(f"| {row['variant']} | {ppl} | {100 * row['top1']:.1f}% |")
-    lines += ["", f"({result['windows']} held-out windows of {result['tokens_per_window']} tokens, "
-              f"`python tools/trained_table.py`.)"]
+    lines += ["", (f"({result['windows']} held-out windows of {result['tokens_per_window']} tokens; "
+                   f"`python tools/trained_table.py`.)")]
     return "\n".join(lines)
 
 
@@ -162,7 +162,7 @@ UNIFORM, DEFAULT = "wuint8-pt a8 s8", "wint8-pc a16 s16"
 def _sweep(path: Path) -> dict:
     text = _read(path)
     samples = _find(r"Calibration samples: (\d+); evaluation samples: (\d+)", text, path)
-    header = _find(r"^\| cell \|.*$", text, path, re.M).group(0)
+    header = _find(r"^\| cell \|.*$", text, path, re.MULTILINE).group(0)
     columns = [c.strip() for c in header.strip("|").split("|")]
     cells = {}
     for line in text.splitlines():
@@ -192,8 +192,8 @@ def sweep_table(folder: Path) -> str:
                   "the full grids are in `docs/sweeps/`, made by `qnnpasses sweep tests/fixtures/F.onnx --calib "
                   "F.calib.npz --eval F.eval.npz` with data from `python -m qnnpasses.quant.data`; the windows each "
                   "grid used are in the last column):")
-    lines = [intro, "", "| model | uniform uint8 per-tensor | default: int8 per-channel weights, 16-bit activations "
-             "| calibration / held-out windows |", "|---|---|---|---|"]
+    lines = [intro, "", ("| model | uniform uint8 per-tensor | default: int8 per-channel weights, 16-bit activations "
+                         "| calibration / held-out windows |"), "|---|---|---|---|"]
     for label, stem in SWEEP_ROWS:
         path = folder / f"{stem}.md"
         sweep = _sweep(path)
@@ -213,7 +213,7 @@ def sweep_table(folder: Path) -> str:
 
 
 def _table_row(text: str, label: str, where: Path) -> list[str]:
-    line = _find(rf"^\| {re.escape(label)} \|.*$", text, where, re.M).group(0)
+    line = _find(rf"^\| {re.escape(label)} \|.*$", text, where, re.MULTILINE).group(0)
     return [c.strip() for c in line.strip("|").split("|")]
 
 
@@ -242,7 +242,7 @@ def speed_bullet(path: Path) -> str:
     head = _find(r"(\d+)-layer LLaMA \((\d+) nodes\), median of (\d+)", text, path)
     ours = float(_table_row(text, "qnnpasses run --pipeline htp-llm", path)[1])
     ratios = {label: _table_row(text, f"{label} (alone)", path)[3] for label in ("onnxsim", "onnxslim")}
-    depth = re.findall(r"^\| (\d+) \| (\d+) \| ([0-9.]+) \|", text, re.M)
+    depth = re.findall(r"^\| (\d+) \| (\d+) \| ([0-9.]+) \|", text, re.MULTILINE)
     if not depth:
         raise SourceError(f"{path.relative_to(ROOT)}: no layers table")
     layers = " / ".join(d[0] for d in depth)
@@ -251,7 +251,7 @@ def speed_bullet(path: Path) -> str:
            f"`htp-llm` pipeline took {ours:.1f} s: {ratios['onnxsim'].replace('x', '×')} the time of onnxsim alone "
            f"and {ratios['onnxslim'].replace('x', '×')} that of onnxslim alone. At {layers} layers it took {seconds} s "
            f"(`python tools/bench.py`)")
-    growth = re.search(r"^(\d+)/(\d+) layers: ([0-9.]+)x", text, re.M)
+    growth = re.search(r"^(\d+)/(\d+) layers: ([0-9.]+)x", text, re.MULTILINE)
     if growth:
         out += f"; {growth.group(1)}/{growth.group(2)} layers = {growth.group(3)}× (linear: 4.0×)"
     rest = re.search(r"passes other than simplify: ([0-9.]+) s -> ([0-9.]+) s \(([0-9.]+)x\)", text)
@@ -261,7 +261,7 @@ def speed_bullet(path: Path) -> str:
     if skipped:
         out += (f"; simplify's onnxsim call was skipped at {skipped.group(1)} layers (above its weight-size limit), "
                 f"so the totals across depths do not do the same work")
-    targets = re.findall(r"^- (.+?) <= ([0-9.]+): wall ([0-9.]+x|-) (met|NOT met|not measured)", text, re.M)
+    targets = re.findall(r"^- (.+?) <= ([0-9.]+): wall ([0-9.]+x|-) (met|NOT met|not measured)", text, re.MULTILINE)
     if targets:
         out += ". Issue #14's targets, wall time: " + ", ".join(
             f"{name} {value.replace('x', '×')} (≤ {bound}: {verdict})" for name, bound, value, verdict in targets)

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from trained_fixtures import DEFAULT_CACHE, evaluate  # noqa: E402
+from trained_fixtures import DEFAULT_CACHE, evaluate
 
 MODEL = "smollm2_135m"
 
@@ -56,8 +56,8 @@ def render(result: dict) -> str:
         lines.append(f"| {row['variant']} | {row['perplexity']:,.2f} | {100 * row['top1']:.1f}% |"
                      if row["perplexity"] < 10_000 else
                      f"| {row['variant']} | {row['perplexity']:,.0f} | {100 * row['top1']:.1f}% |")
-    lines += ["", f"({result['windows']} held-out windows of {result['tokens_per_window']} tokens; "
-              f"`python tools/trained_table.py`.)"]
+    lines += ["", (f"({result['windows']} held-out windows of {result['tokens_per_window']} tokens; "
+                   f"`python tools/trained_table.py`.)")]
     return "\n".join(lines)
 
 

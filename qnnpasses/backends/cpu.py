@@ -120,9 +120,9 @@ def _used_as_mask(tensor: gs.Variable, depth: int = 4) -> bool:
             return True
         if consumer.op == "Sub" and len(consumer.inputs) == 2 and consumer.inputs[1] is tensor and _is_one(consumer.inputs[0]):
             return True
-        if consumer.op in _MASK_PATH_OPS and depth > 0 and consumer.outputs:
-            if _used_as_mask(consumer.outputs[0], depth - 1):
-                return True
+        if (consumer.op in _MASK_PATH_OPS and depth > 0 and consumer.outputs
+                and _used_as_mask(consumer.outputs[0], depth - 1)):
+            return True
     return False
 
 
@@ -312,7 +312,7 @@ def _run_one(session, inputs: dict[str, np.ndarray], keep_going: bool):
         return _run(session, inputs)
     try:
         return _run(session, inputs)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller, which reports it
         return exc
 
 

@@ -37,7 +37,7 @@ class Fingerprint:
     order: tuple
     values: dict[int, Any] = field(compare=False, hash=False, repr=False)
 
-    def same_graph(self, after: "Fingerprint") -> bool:
+    def same_graph(self, after: Fingerprint) -> bool:
         """True when ``after`` (taken later) shows the same computation, node order aside."""
         if self.structure != after.structure:
             return False
