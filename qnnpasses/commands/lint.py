@@ -51,7 +51,10 @@ def main(args) -> int:
         raise BadInputError(f"--ignore: unknown rule(s) {', '.join(sorted(unknown))} (see --list-rules)")
     config = LintConfig(backend=args.backend, ignore=frozenset(ignore))
     reports = []
+    from qnnpasses.progress import step
+
     for model in args.model:
+        step(f"linting {model}", minor=len(args.model) == 1)
         if args.shape:
             ir = load_shaped(args, model)
             ir.path = ir.path or model

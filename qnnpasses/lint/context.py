@@ -151,6 +151,9 @@ class LintContext:
         """Run pipeline ``spec`` on a copy of the model (of ``rewrite(base).after`` if given)."""
         key = (spec, base)
         if key not in self._rewrites:
+            from qnnpasses.progress import step
+
+            step(f"trying {spec} on a copy of the model", minor=True)
             start = self.ir if base is None else self.rewrite(base).after
             self._rewrites[key] = _run_on_copy(spec, start, self.config.backend)
         return self._rewrites[key]
