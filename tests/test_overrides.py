@@ -18,6 +18,7 @@ from qnnpasses.quant.data import token_windows
 from qnnpasses.quant.driver import quantize_model
 from qnnpasses.quant.overrides import (
     SCHEMA_V1,
+    SCHEMA_V2,
     build_overrides,
     encodings_from_qdq,
     read_overrides,
@@ -53,6 +54,40 @@ def test_v1_file_passes_the_schema_and_round_trips(quantized):
         np.testing.assert_allclose(back[name].scale, e.scale, rtol=1e-7)
 
 
+def test_v2_file_is_quantize_linear_shaped_and_round_trips(quantized):
+    """2.0.0: one list, each entry an ONNX QuantizeLinear's output_dtype / y_scale / y_zero_point / axis."""
+    tmp, qdq, _ = quantized
+    path = write_overrides(qdq, tmp / "ov.v2.json", version="2.0.0")
+    doc = json.loads(path.read_text())
+    jsonschema.validate(doc, SCHEMA_V2)
+    entries = {e["name"]: e for e in doc["encodings"]}
+    written = {e.name: e for e in encodings_from_qdq(qdq)}
+    assert set(entries) == set(written)
+    weight = next(e for e in entries.values() if "axis" in e)
+    assert weight["output_dtype"] == "int8" and "y_zero_point" not in weight  # symmetric: zero point omitted
+    assert any(e["output_dtype"] == "uint16" and isinstance(e["y_scale"], float) for e in entries.values())
+    back = read_overrides(path)
+    for name, e in written.items():
+        assert (back[name].bw, back[name].offset) == (e.bw, e.offset)
+
+
+def test_int4_and_block_encodings(tmp_path):
+    """w4a16 with 32-row blocks: int4 weights carry a [K/32, N] scale and block_size in both layouts."""
+    ir = load_model(fixture_path("llama_gqa_ts"))
+    np.savez(tmp_path / "calib.npz", **token_windows(ir, 4, seed=0))
+    qdq = tmp_path / "w4.qdq.onnx"
+    policy = PrecisionPolicy(weights="int4", weight_scales="mse", block_size=32)
+    quantize_model(fixture_path("llama_gqa_ts"), tmp_path / "calib.npz", qdq, policy)
+    v2 = build_overrides(encodings_from_qdq(qdq), "2.0.0")
+    jsonschema.validate(v2, SCHEMA_V2)
+    blocked = [e for e in v2["encodings"] if e.get("block_size")]
+    assert blocked and all(e["output_dtype"] == "int4" and e["block_size"] == 32 and e["axis"] == 0 for e in blocked)
+    assert {len(e["y_scale"]) for e in blocked} == {2, 4}  # K = 64 or 128 rows: 2 or 4 blocks per column
+    v1 = build_overrides(encodings_from_qdq(qdq), "1.0.0")
+    assert {e["enc_type"] for e in v1["param_encodings"] if e["bw"] == 4} == {"PER_BLOCK"}
+    assert all(e["offset"][0] == -8 for e in v1["param_encodings"] if e["bw"] == 4)
+
+
 def test_legacy_layout_reads_back_the_same(quantized):
     tmp, qdq, _ = quantized
     legacy = write_overrides(qdq, tmp / "legacy.json", version="0.6.1")
@@ -84,7 +119,7 @@ def test_mixed_plan_shows_in_the_bitwidths(quantized):
     assert all(by_name[t].bw == 16 for t in norms + softmax)
     assert sum(e.bw == 8 for e in by_name.values() if not e.param) >= 10  # the rest stays 8-bit
     per_channel = [e for e in by_name.values() if e.param and len(e.scale) > 1]
-    assert len(per_channel) == 9 and all(e.is_sym and e.bw == 8 and set(e.offset) == {-128} for e in per_channel)
+    assert len(per_channel) == 15 and all(e.is_sym and e.bw == 8 and set(e.offset) == {-128} for e in per_channel)
 
 
 def test_offsets_mean_what_the_qdq_model_computes(quantized):
@@ -122,4 +157,4 @@ def test_bad_files_are_one_line_errors(tmp_path):
     with pytest.raises(BadInputError, match="cannot read overrides"):
         read_overrides(tmp_path / "b.json")
     with pytest.raises(BadInputError, match="overrides version must be one of"):
-        build_overrides([], version="2.0.0")
+        build_overrides([], version="3.0.0")

@@ -8,7 +8,7 @@ in place of the quantizer's values:
 * ``mse``: per output channel (or per block), the clip ratio ``α`` in ``[0.5, 1]`` (step
   ``1/STEPS``) minimizing ``Σ (w - s·clip(round(w/s)))²`` with ``s = α·max|w| / qmax``
   (CPU, vectorized over channels; a few seconds for a 135M-parameter model);
-* ``block_size=B``: a weight ``W[K, N]`` gets one scale per ``B`` rows of each column
+* ``block_size=B``: an int4 weight ``W[K, N]`` gets one scale per ``B`` rows of each column
   (``DequantizeLinear(axis=0, block_size=B)``, scale ``[K/B, N]``, opset 21) when ``K`` is a
   multiple of ``B``; others keep per-channel scales and are reported as such.
 
@@ -113,9 +113,10 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
         qmax = _QMAX[qinit.data_type]
         wt = np.moveaxis(w.astype(np.float64), axis, 1)
         before += float(_err(wt, old_s, qmax).sum())
-        q, scale, new_axis, block, err = quantize_weight(w, axis, qinit.data_type, mse=mse, block_size=block_size)
+        blocks = block_size if qinit.data_type == TensorProto.INT4 else None  # 8-bit weights stay per channel
+        q, scale, new_axis, block, err = quantize_weight(w, axis, qinit.data_type, mse=mse, block_size=blocks)
         after += float(err)
-        if block_size and not block:
+        if blocks and not block:
             report.not_blockable.append(fname)
         npdt = _NUMPY[qinit.data_type]
         if block and axis != 1:  # blocks were cut in [K, N] coordinates: back to the weight's layout
