@@ -15,12 +15,13 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import fixture_path, requires_htp
+from conftest import fixture_path, htp_backend_available, requires_htp
 
 from qnnpasses.llm.manifest import load_manifest, part_paths
 from qnnpasses.llm.verify import PartsRunner, compare_sequence, static_feed
 
 CONTEXT = 256
+HTP = htp_backend_available()
 BUILDS = {  # fixture -> (prefill, build options)
     "llama_gqa_kv_dyn_ts": (16, {"compile": True}),
     "llama_gqa_kv_dyn_dynamo": (1, {"compile": False, "probe": False}),
@@ -161,7 +162,7 @@ def test_compiled_pair_runs_and_weight_sharing_probe_is_recorded(built):
 
 def test_parts_chain_to_the_same_logits(built):
     single = built("llama_gqa_kv_dyn_ts")
-    split = built("llama_gqa_kv_dyn_ts", parts=2, compile=False, probe=False)
+    split = built("llama_gqa_kv_dyn_ts", parts=2, compile=HTP, probe=False)
     rng = np.random.default_rng(3)
     for graph_name in ("prefill", "decode"):
         graph = split["graphs"][graph_name]
@@ -182,6 +183,16 @@ def test_parts_chain_to_the_same_logits(built):
         whole = PartsRunner(single["dir"], single["graphs"][graph_name])(feed)
         for name in [graph["roles"]["logits"], *graph["roles"]["new_key"], *graph["roles"]["new_value"]]:
             np.testing.assert_allclose(chained[name], whole[name], atol=1e-5, rtol=0, err_msg=name)
+        if HTP:  # the compiled parts, chained on the HTP by name, give the same logits
+            from qnnpasses.backends.htp import htp_session
+
+            env = dict(feed)
+            for path in part_paths(split, graph_name, compiled=True):
+                session = htp_session(str(path), fp16=True, disable_cpu_fallback=True)
+                names = [o.name for o in session.get_outputs()]
+                env.update(zip(names, session.run(names, {i.name: env[i.name] for i in session.get_inputs()})))
+            a, b = (x[graph["roles"]["logits"]].ravel().astype(np.float64) for x in (env, whole))
+            assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999
     report = json.loads((manifest_dir(split) / "report.json").read_text())
     assert report["parts_verification"]["ok"]
 
