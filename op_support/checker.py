@@ -2,10 +2,10 @@
 
 The prediction comes from the measured op-support table (:mod:`.table`): the node's op
 must be in it, its tensors' dtypes and ranks must be allowed, and the entry's rules
-(attribute values, constant inputs, dtype combinations) must hold.  Anything the graph
-does not tell us — a tensor without dtype or shape — is reported as a note ("unknown"),
-never as a failure: the checker is a lint, and ``qnnpasses check --real`` asks the
-backend itself.
+(attribute values, constant inputs, dtype combinations) must hold.  A computed tensor with
+no shape at all fails like on the backend ("Cannot get shape"), naming ``fix-shapes``; a
+tensor without dtype is reported as a note ("unknown").  ``qnnpasses check --on htp`` asks
+the backend itself.
 
 float32 tensors count as supported: the tables are measured in fp16 mode
 (``enable_htp_fp16_precision=1``), which is how float graphs run on HTP at all.
@@ -404,6 +404,20 @@ def _check_rank(view: _NodeView, max_rank: int | None, by_dtype: dict[str, int])
     return []
 
 
+#: The pass that gives every tensor a known, static shape.
+FIX_SHAPES = "fix-shapes"
+
+
+def _unknown_shapes(view: _NodeView) -> list[str]:
+    """A computed tensor without any shape (not even a rank): the QNN EP refuses the node
+    ("Cannot get shape"), measured; static input shapes make shape inference reach it."""
+    for where, t in view.tensors():
+        if not t.constant and t.shape is None:
+            return [f"{where} has an unknown shape (the QNN EP cannot get it): run {FIX_SHAPES} "
+                    f"(static input shapes, e.g. --shape NAME=D0,D1,...)"]
+    return []
+
+
 def _opset_note(entry: dict[str, Any], opset: int | None) -> str | None:
     """Opsets outside the measured schema versions are a caveat, not a failure."""
     rng = entry.get("opset")
@@ -443,7 +457,8 @@ def check_node(
     note = _opset_note(entry, opset)
     if note:
         result.notes.append(note)
-    reasons = _check_dtypes(view, entry)
+    reasons = _unknown_shapes(view)
+    reasons += _check_dtypes(view, entry)
     reasons += _check_rank(view, entry.get("max_rank", table.get("global", {}).get("max_rank")),
                            entry.get("max_rank_by_dtype", {}))
     reasons += _apply_rules(view, [*table.get("global", {}).get("rules", []), *entry.get("rules", [])])

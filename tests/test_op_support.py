@@ -91,11 +91,30 @@ def test_checker_predicts_partitions_of_relu_erf_relu(tmp_path):
 
 
 def test_unknown_dtype_is_a_note_not_a_failure():
-    x = gs.Variable("x", dtype=None, shape=None)
-    y = gs.Variable("y", dtype=None, shape=None)
+    x = gs.Variable("x", dtype=None, shape=[2, 3])
+    y = gs.Variable("y", dtype=None, shape=[2, 3])
     result = check_node(gs.Node("Relu", "r", inputs=[x], outputs=[y]))
     assert result.supported
     assert any(n.startswith("unknown:") for n in result.notes)
+
+
+def _no_shape_model(tmp_path: Path) -> Path:
+    """Relu -> Sigmoid on an input declared without any shape."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu0"), helper.make_node("Sigmoid", ["r"], ["y"], name="sig0")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "no_shape.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_unknown_shape_fails_and_names_fix_shapes(tmp_path):
+    graph = gs.import_onnx(onnx.load(_no_shape_model(tmp_path)))
+    results = check_graph(graph)
+    assert [r.supported for r in results] == [False, False]
+    assert all("unknown shape" in r.reasons[0] and "fix-shapes" in r.reasons[0] for r in results)
 
 
 def test_parse_ep_log_attributes_backend_error_to_node():
@@ -128,6 +147,13 @@ def test_real_backend_puts_erf_on_cpu_and_relu_on_htp(tmp_path):
     assert placement.cpu_nodes == ["erf0"]
     assert placement.qnn_partitions == 2
     assert placement.qnn_graph_ops["by_type"] == {"Relu": 2}
+
+
+@needs_htp
+def test_real_backend_refuses_nodes_of_unknown_shape_as_the_checker_says(tmp_path):
+    placement = probe_placement(_no_shape_model(tmp_path), {"x": np.ones((2, 3), np.float32)}, optimize=False)
+    assert placement.node_verdict("relu0") == ("cpu", "Cannot get shape")
+    assert placement.node_verdict("sig0") == ("cpu", "Cannot get shape")
 
 
 @needs_htp

@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     add_on_arg(parser, ("htp",), None,
                "also load the model on the real HTP backend and report where each node actually ran")
     add_deprecated(parser, "--real", "on", "--on htp", value="htp")
+    parser.add_argument("--as-written", action="store_true",
+                        help="check the graph exactly as written, before onnxruntime folds its constants on load "
+                             "(by default the graph the backend is handed is checked, as every session sees it)")
     add_shape_arg(parser)
     add_format_arg(parser)
     parser.set_defaults(func=main)
@@ -33,7 +36,14 @@ def register(subparsers) -> None:
 def main(args) -> int:
     from qnnpasses.op_support.checker import check_graph, summarize
 
-    ir = load_shaped(args)
+    written = load_shaped(args)
+    ir, view = written, None
+    if not args.as_written:
+        from qnnpasses.op_support.deployed import deployed_view
+
+        with shaped_path(args) as path:
+            view = deployed_view(path, [n.name for n in written.graph.nodes])
+        ir = view.ir if view.ir is not None else written
     results = check_graph(ir.graph, args.backend)
     static = inputs_static(ir)
     report: dict[str, Any] = {
@@ -42,11 +52,17 @@ def main(args) -> int:
                    "cause": cause(ir, r), "qnn_op": r.qnn_op, "notes": r.notes} for r in results],
         "summary": summarize(ir.graph, results).to_dict(),
     }
-    if not all(r.supported for r in results):
-        report["summary"]["after_constant_folding"] = _after_folding(ir, args.backend)
+    report["summary"]["view"] = "as written" if view is None or view.ir is None else "onnxruntime"
+    if view is not None:
+        report["folded"] = view.folded
+        if view.note:
+            report["summary"]["view_note"] = view.note
+        if view.ir is not None:
+            raw = check_graph(written.graph, args.backend)
+            report["summary"]["as_written"] = {"nodes": len(raw), "unsupported": sum(not r.supported for r in raw)}
     if args.on == "htp":
         with shaped_path(args) as path:
-            _add_real_placement(report, path)
+            _add_real_placement(report, path, optimize=view is not None)
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
@@ -67,35 +83,27 @@ def cause(ir, verdict) -> str | None:
     return kinds[0] if kinds else "op"
 
 
-def _after_folding(ir, backend: str) -> dict[str, int]:
-    """How many nodes stay off the HTP once shape arithmetic is folded (as onnxruntime does on load)."""
-    from qnnpasses.op_support.checker import check_graph
-    from qnnpasses.passmanager.api import PassContext
-    from qnnpasses.passmanager.manager import PassManager
-    from qnnpasses.passmanager.spec import parse_pipeline
-
-    folded = ir.copy()
-    PassManager(parse_pipeline("simplify"), context=PassContext()).run(folded)
-    results = check_graph(folded.graph, backend)
-    return {"nodes": len(results), "unsupported": sum(not r.supported for r in results)}
-
-
-def _add_real_placement(report: dict[str, Any], model_path: str) -> None:
-    """Attach the backend's verdict per node and an agreement figure."""
+def _add_real_placement(report: dict[str, Any], model_path: str, *, optimize: bool = True) -> None:
+    """Attach the backend's verdict per node and the agreement figure, computed over the nodes
+    the backend gave a verdict on (folded ``Constant``s and the like get none)."""
     from qnnpasses.backends.htp import htp_available, probe_placement
 
     if not htp_available():
-        raise BackendUnavailableError("--real needs onnxruntime-qnn with a working QNN HTP backend")
-    # Graph optimizations off: the EP then sees the nodes the table was asked about (with them
-    # on, fusions such as MatMul+Add -> Gemm rename nodes and nothing can be compared).
-    placement = probe_placement(model_path, optimize=False)
+        raise BackendUnavailableError("--on htp needs onnxruntime-qnn with a working QNN HTP backend")
+    # As every session runs it (compile, diagnose, the device): onnxruntime folds constants
+    # before the EP sees the graph, which is the graph ``report["nodes"]`` describes.  With
+    # --as-written the optimizations are off, so the EP sees the nodes as written.
+    from qnnpasses.progress import step
+
+    step("asking the HTP backend where each node runs")
+    placement = probe_placement(model_path, optimize=optimize)
     if placement.error and not placement.validation:
         raise BadInputError(f"the HTP backend could not load {model_path}: {placement.error}")
     agree = compared = 0
     for node in report["nodes"]:
         verdict, reason = placement.node_verdict(node["name"])
         node["real"] = {"placement": verdict, "reason": reason}
-        if verdict != "unknown":  # Constant nodes and the like never reach an EP
+        if verdict in ("htp", "cpu"):
             compared += 1
             agree += (verdict == "htp") == node["supported"]
     report["summary"]["real"] = {
@@ -105,7 +113,7 @@ def _add_real_placement(report: dict[str, Any], model_path: str) -> None:
         "cpu_nodes": len(placement.cpu_nodes),
         "qnn_graph_ops": placement.qnn_graph_ops["total"],
         "compared_nodes": compared,
-        "agreement": round(agree / compared, 4) if compared else 1.0,
+        "agreement": round(agree / compared, 4) if compared else None,
     }
 
 
@@ -124,8 +132,10 @@ def render_text(model: str, report: dict[str, Any]) -> str:
     real = s.get("real")
     if real:
         status = "ran" if real["ok"] else f"FAILED: {explain(real['error'] or '')}"
+        agreement = (f"agreement with the table {real['agreement']:.1%} over {real['compared_nodes']} nodes"
+                     if real["agreement"] is not None else "no node verdicts to compare")
         lines.append(f"  real HTP backend: {status}; {real['qnn_partitions']} QNN partition(s), "
-                     f"{real['cpu_nodes']} CPU node(s), agreement with the table {real['agreement']:.1%}")
+                     f"{real['cpu_nodes']} CPU node(s), {agreement}")
     bad = [n for n in report["nodes"]
            if not n["supported"] or (n.get("real") and n["real"]["placement"] not in ("htp", "unknown"))]
     if bad:
@@ -147,10 +157,11 @@ def render_text(model: str, report: dict[str, Any]) -> str:
             if key in by_cause:
                 ops = ", ".join(f"{op} x{c}" for op, c in sorted(by_cause[key].items()))
                 lines.append(f"  {CAUSES[key]}: {ops}")
-    folded = s.get("after_constant_folding")
-    if folded is not None:
-        if folded["unsupported"] < s["unsupported"]:
-            lines.append(f"after constant folding (what onnxruntime does when it loads the model; "
-                         f"`qnnpasses run` does it for the converter): {folded['unsupported']} of "
-                         f"{folded['nodes']} nodes not on the HTP")
+    if s.get("view_note"):
+        lines.append(f"note: {s['view_note']}")
+    written = s.get("as_written")
+    if written is not None and report.get("folded"):
+        lines.append(f"checked as the backend is handed it: onnxruntime folds {len(report['folded'])} node(s) on load "
+                     f"(as written, {written['unsupported']} of {written['nodes']} nodes would not be on the HTP; "
+                     f"--as-written checks that graph)")
     return "\n".join(lines)

@@ -87,7 +87,7 @@ def pipeline_text(order: list[str], spelled: dict[str, str]) -> str:
 # inference stops at them, and what they become must be shaped with the rest
 CONTRIB_LOWERINGS = ("lower-simplified-norm", "lower-gqa", "lower-rotary-embedding", "lower-mha", "lower-matmulnbits")
 HTP_LLM_PASSES = [
-    *CONTRIB_LOWERINGS, "fix-shapes", "simplify", "gathernd", "lower-int64", "lower-cast-to-bool", "attention-cleanup", "gqa-broadcast", "fuse-rmsnorm",
+    *CONTRIB_LOWERINGS, "fix-shapes", "simplify", "fold-conv-affine", "gathernd", "lower-int64", "lower-cast-to-bool", "attention-cleanup", "gqa-broadcast", "fuse-rmsnorm",
     "fuse-layernorm", "decompose-layernorm", "fuse-gelu", "decompose-gelu", "fp16-safety", "rotary", "layout", "cleanup",
 ]
 HTP_LLM_FIRST, HTP_LLM_LAST = (*CONTRIB_LOWERINGS, "fix-shapes"), ("cleanup",)
