@@ -302,3 +302,22 @@ def test_check_lint_diagnose_compile_partition_give_one_verdict(case, htp_llm, t
     plan = json.loads((tmp_path / "parts" / "plan.json").read_text())
     on_cpu = {n for p in plan["partitions"] if p["backend"] == "cpu" for n in p["nodes"]}
     assert code == 0 and on_cpu == expected_off
+
+
+@requires_htp
+def test_sweep_says_when_its_png_cannot_be_drawn(tmp_path, monkeypatch, capsys):
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.quant import sweep as sweep_module
+    from qnnpasses.quant.data import token_windows
+    from qnnpasses.quant.policy import PrecisionPolicy
+
+    ir = load_model(TINY)
+    np.savez(tmp_path / "calib.npz", **token_windows(ir, 2, seed=0, part="calib"))
+    np.savez(tmp_path / "eval.npz", **token_windows(ir, 1, seed=0, part="eval"))
+    monkeypatch.setattr(sweep_module, "grid", lambda *a, **k: [PrecisionPolicy()])  # one cell is enough here
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "sweep"
+    code, text, err = cli(capsys, "sweep", TINY, "--calib", tmp_path / "calib.npz", "--eval", tmp_path / "eval.npz",
+                          "--out-dir", out)
+    assert code == 0 and (out / "sweep.md").exists() and not (out / "sweep.png").exists()
+    assert "sweep.png not drawn: matplotlib is not installed" in err and "sweep.png" not in text.splitlines()[-1]
