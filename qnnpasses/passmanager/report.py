@@ -96,8 +96,10 @@ def pass_table_rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 def _compact_stats(stats: dict[str, Any], limit: int = 70) -> str:
-    """The counters worth a glance: non-zero, short; report.json keeps them all."""
-    shown = [f"{k}={v}" for k, v in stats.items() if v not in (0, 0.0, "", None, False) and len(str(v)) <= 24]
+    """The counters worth a glance: non-zero, short, not timings or node counts (the table has
+    those); report.json keeps them all."""
+    shown = [f"{k}={v}" for k, v in stats.items() if v not in (0, 0.0, "", None, False) and len(str(v)) <= 24
+             and not k.endswith("_seconds") and k not in ("nodes_before", "nodes_after")]
     text = ", ".join(shown)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
