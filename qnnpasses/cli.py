@@ -7,6 +7,7 @@ failed, 2 bad usage or input, 3 an internal error.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -56,7 +57,9 @@ def _broken_command(name: str, exc: BaseException):
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of command ``only`` alone (imports only its module:
+    a run need not import the quantization or partitioning tooling)."""
     parser = _ArgumentParser(prog="qnnpasses", description=__doc__.split("\n\n")[0], epilog=EPILOG,
                              formatter_class=_Formatter)
     from qnnpasses import __version__
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qnnpasses {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                                        parser_class=_ArgumentParser)
-    for name in command_names():
+    names = command_names()
+    for name in [only] if only in names else names:
         try:
             module = importlib.import_module(f"qnnpasses.commands.{name}")
         except Exception as exc:  # noqa: BLE001 - a broken command is reported, never silently dropped
@@ -82,9 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fewer_collections() -> None:
+    """Graph rewriting allocates a great many small, long-lived objects (nodes, tensors, the
+    pass manager's rollback copies); with Python's default thresholds the cyclic collector
+    re-scans them every few hundred allocations, which made a pipeline run grow faster than
+    the graph.  What the imports created is frozen out of the scans; collections stay on."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 10)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     if not argv:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
@@ -92,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
+    _fewer_collections()
     try:
         return _run(args)
     except BrokenPipeError:

@@ -2,19 +2,22 @@
 
 On a 32-layer LLaMA export from ``tools/make_big_llm.py`` (the node count of a real 7B,
 small hidden size so the weights are tiny), each of these runs as a fresh subprocess,
-median of ``--repeat`` (3) wall-clock runs, all in one invocation on the same machine:
+median of ``--repeat`` (3) runs, interleaved round-robin in one invocation so that load
+from other processes spreads evenly over the tools compared:
 
 * ``qnnpasses run --pipeline htp-llm`` (no ``--verify``),
 * ``onnxsim`` alone and ``onnxslim`` alone (their command lines, default options),
 * plain ``onnx.load`` + ``onnx.save`` (the floor: parsing and writing the file).
 
-Then the pipeline alone at 2, 8, 32 and 128 layers (the 128/32 ratio shows whether the
-cost grows linearly), the per-pass seconds from ``report.json`` at each depth, and a
-cProfile of the pipeline in-process on the deepest model.  The result is a markdown
-table for the README and a JSON with every figure.
+Then the pipeline alone at 2, 8, 32 and 128 layers -- the same passes at every size --
+with the 128/32 ratio (4.0x is linear), and the seconds of every pass (its graph check
+included) from ``report.json`` at each depth, with each pass's growth next to the
+graph's.  Wall and CPU (user + system) seconds are both recorded: on a loaded machine
+the CPU seconds are the steadier figure.  Writes ``docs/bench_speed.md`` (the README's
+figures are generated from it) and ``docs/bench_speed.json`` with every figure.
 
-    python tools/bench.py                          # everything (a few minutes)
-    python tools/bench.py --layers 2,8,32 --repeat 1 --no-profile
+    python tools/bench.py                          # everything (several minutes)
+    python tools/bench.py --layers 2,8,32 --repeat 1 --out /tmp/speed.md
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from bench_memory import (
 SMALL = ("--hidden", "256", "--intermediate", "512", "--heads", "8", "--kv-heads", "8", "--vocab", "1000",
          "--weights", "random", "--dtype", "float32")
 REFERENCE_LAYERS = 32
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+#: issue #14's targets: htp-llm / onnxsim, htp-llm / onnxslim, 128 / 32 layers
+TARGETS = {"onnxsim": 1.0, "onnxslim": 0.5, "growth": 4.5}
 
 
 def llama(workdir: Path, layers: int) -> Path:
@@ -68,18 +74,17 @@ def timed(jobs: dict[str, tuple[str, list[str], Path]], repeat: int, timeout: fl
             runs[key].append(measure(label, argv, timeout=timeout, outputs=[out], log=out.with_suffix(".log")))
     return {key: {"label": jobs[key][0], "ok": all(r.ok for r in rs), "error": next((r.error for r in rs if r.error), ""),
                   "seconds": [round(r.seconds, 3) for r in rs], "median": statistics.median(r.seconds for r in rs),
+                  "cpu_seconds": [round(r.extra.get("cpu_seconds", 0.0), 3) for r in rs],
+                  "cpu_median": statistics.median(r.extra.get("cpu_seconds", 0.0) for r in rs),
                   "max_rss_mb": max(r.max_rss_mb for r in rs)} for key, rs in runs.items()}
 
 
 def pass_seconds(report_dir: Path) -> dict[str, float]:
-    """Seconds per pass name (summed over repeats of the same pass) from report.json; the key
-    ``onnxsim`` says whether simplify ran onnxsim (it skips it above ``onnxsim_max_bytes``)."""
+    """Seconds per pass name (summed over repeats of the same pass) from report.json."""
     report = json.loads((report_dir / "report.json").read_text())
     seconds: dict[str, float] = {}
     for record in report["passes"]:
         seconds[record["name"]] = seconds.get(record["name"], 0.0) + record["seconds"]
-        if "onnxsim" in record.get("stats", {}):
-            seconds.setdefault("onnxsim", record["stats"]["onnxsim"])
     return seconds
 
 
@@ -107,38 +112,68 @@ def fmt(entry: dict) -> str:
     return f"{entry['median']:.2f}" if entry["ok"] else f"failed ({entry['error'][:80]})"
 
 
-def ratio(a: dict, b: dict) -> str:
-    return f"{a['median'] / b['median']:.2f}x" if a["ok"] and b["ok"] and b["median"] > 0 else "-"
+def ratio(a: dict, b: dict, key: str = "median") -> float | None:
+    return a[key] / b[key] if a["ok"] and b["ok"] and b[key] > 0 else None
 
 
-def render(peers: dict, depth: dict, nodes: dict, per_pass: dict) -> str:
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def verdict(value: float | None, target: float) -> str:
+    return "not measured" if value is None else ("met" if value <= target else f"NOT met ({value / target:.2f}x the target)")
+
+
+def summary(peers: dict, depth: dict) -> dict:
+    """The three figures issue #14 asks for, wall and CPU, with the targets."""
     pipe = peers["qnnpasses"]
-    lines = [f"32-layer LLaMA ({nodes[REFERENCE_LAYERS]} nodes), median of {len(pipe['seconds'])} fresh runs:", "",
-             "| tool | wall s (median) | peak RSS | qnnpasses htp-llm / tool |", "|---|---:|---:|---:|"]
-    for key, entry in peers.items():
-        lines.append(f"| {entry['label']} | {fmt(entry)} | {entry['max_rss_mb']:.0f} MiB | "
-                     f"{'-' if key == 'qnnpasses' else ratio(pipe, entry)} |")
-    layers = sorted(depth)
-    lines += ["", "| layers | nodes | htp-llm wall s | per layer (ms) |", "|---:|---:|---:|---:|"]
-    for n in layers:
-        lines.append(f"| {n} | {nodes[n]} | {fmt(depth[n])} | {1000 * depth[n]['median'] / n:.0f} |")
+    out = {}
+    for peer in ("onnxsim", "onnxslim"):
+        if peer in peers:
+            out[peer] = {"wall": ratio(pipe, peers[peer]), "cpu": ratio(pipe, peers[peer], "cpu_median"),
+                         "target": TARGETS[peer]}
     if REFERENCE_LAYERS in depth and 128 in depth:
-        lines.append(f"\n128/32 layers: {ratio(depth[128], depth[REFERENCE_LAYERS])} (linear would be 4.0x)")
-        rest = {n: sum(v for k, v in per_pass.get(n, {}).items() if k not in ("simplify", "onnxsim")) for n in (32, 128)}
-        if rest[32] > 0:
-            lines.append(f"passes other than simplify: {rest[32]:.2f} s -> {rest[128]:.2f} s ({rest[128] / rest[32]:.1f}x)")
-        sims = {n: per_pass.get(n, {}).get("onnxsim", "?") for n in layers}
-        if len(set(sims.values())) > 1:
-            lines.append("simplify's onnxsim: " + ", ".join(f"{n} layers {v}" for n, v in sims.items())
-                         + " (skipped above onnxsim_max_bytes of weights: not comparable)")
-    names = sorted({p for n in layers for p in per_pass.get(n, {}) if p != "onnxsim"},
-                   key=lambda p: -per_pass.get(layers[-1], {}).get(p, 0.0))
-    lines += ["", "| pass (s) | " + " | ".join(f"{n} layers" for n in layers) + " | growth last/prev |",
+        out["growth"] = {"wall": ratio(depth[128], depth[REFERENCE_LAYERS]),
+                         "cpu": ratio(depth[128], depth[REFERENCE_LAYERS], "cpu_median"), "target": TARGETS["growth"]}
+    return out
+
+
+def render(peers: dict, depth: dict, nodes: dict, per_pass: dict, figures: dict) -> str:
+    pipe = peers["qnnpasses"]
+    lines = [f"{REFERENCE_LAYERS}-layer LLaMA ({nodes[REFERENCE_LAYERS]} nodes), median of {len(pipe['seconds'])} fresh runs:",
+             "", "| tool | wall s (median) | peak RSS | qnnpasses htp-llm / tool | CPU s (median) | CPU ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for key, entry in peers.items():
+        mine = key == "qnnpasses"
+        lines.append(f"| {entry['label']} | {fmt(entry)} | {entry['max_rss_mb']:.0f} MiB | "
+                     f"{'-' if mine else fmt_ratio(ratio(pipe, entry))} | {entry['cpu_median']:.2f} | "
+                     f"{'-' if mine else fmt_ratio(ratio(pipe, entry, 'cpu_median'))} |")
+    layers = sorted(depth)
+    lines += ["", "| layers | nodes | htp-llm wall s | per layer (ms) | htp-llm CPU s |", "|---:|---:|---:|---:|---:|"]
+    for n in layers:
+        lines.append(f"| {n} | {nodes[n]} | {fmt(depth[n])} | {1000 * depth[n]['median'] / n:.0f} | "
+                     f"{depth[n]['cpu_median']:.2f} |")
+    if "growth" in figures:
+        lines.append(f"\n128/32 layers: {fmt_ratio(figures['growth']['wall'])} (linear would be 4.0x; "
+                     f"{nodes[128] / nodes[REFERENCE_LAYERS]:.2f}x the nodes); CPU {fmt_ratio(figures['growth']['cpu'])}")
+    lines += ["", "Targets (issue #14), wall time / CPU time:", ""]
+    names = {"onnxsim": "htp-llm / onnxsim", "onnxslim": "htp-llm / onnxslim", "growth": "128 / 32 layers"}
+    for key, fig in figures.items():
+        lines.append(f"- {names[key]} <= {fig['target']}: wall {fmt_ratio(fig['wall'])} {verdict(fig['wall'], fig['target'])}; "
+                     f"CPU {fmt_ratio(fig['cpu'])} {verdict(fig['cpu'], fig['target'])}")
+    passes = sorted({p for n in layers for p in per_pass.get(n, {})}, key=lambda p: -per_pass.get(layers[-1], {}).get(p, 0.0))
+    growth_nodes = nodes[layers[-1]] / nodes[layers[-2]] if len(layers) > 1 else 1.0
+    lines += ["", f"Seconds per pass (its graph check included; wall time of the run above), growth from {layers[-2] if len(layers) > 1 else '-'} "
+                  f"to {layers[-1]} layers against the graph's {growth_nodes:.2f}x:", "",
+              "| pass (s) | " + " | ".join(f"{n} layers" for n in layers) + " | growth last/prev |",
               "|---|" + "---:|" * (len(layers) + 1)]
-    for name in names:
+    for name in passes:
         cells = [per_pass.get(n, {}).get(name, 0.0) for n in layers]
         growth = f"{cells[-1] / cells[-2]:.1f}x" if len(cells) > 1 and cells[-2] > 0.005 else "-"
         lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {growth} |")
+    totals = [sum(per_pass.get(n, {}).values()) for n in layers]
+    lines.append("| all passes | " + " | ".join(f"{t:.2f}" for t in totals) + " | "
+                 + (f"{totals[-1] / totals[-2]:.1f}x" if len(totals) > 1 and totals[-2] > 0 else "-") + " |")
     return "\n".join(lines)
 
 
@@ -150,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="2,8,32,128", help="depths for the growth table")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--no-peers", action="store_true")
-    parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="also cProfile the deepest model in-process")
+    parser.add_argument("--out", type=Path, default=DOCS / "bench_speed.md",
+                        help="markdown output (the JSON goes next to it)")
     args = parser.parse_args(argv)
     work = args.workdir / "speed"
     work.mkdir(parents=True, exist_ok=True)
@@ -178,18 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     depth = {n: timings["qnnpasses" if n == REFERENCE_LAYERS else n] for n in layers}
     per_pass = {n: pass_seconds(work / f"report{n}") for n in layers if (work / f"report{n}" / "report.json").exists()}
     load_after = os.getloadavg()
-    table = render(peers, depth, nodes, per_pass)
+    figures = summary(peers, depth) if "qnnpasses" in peers else {}
+    table = render(peers, depth, nodes, per_pass, figures)
     table += (f"\n\nload average (1 min) before/after: {load_before[0]:.1f} / {load_after[0]:.1f} "
-              f"on {os.cpu_count()} CPUs")
+              f"on {os.cpu_count()} CPUs (other work was running: wall times are noisy, CPU times less so)")
     print(table)
-    profile_text = ""
-    if not args.no_profile:
-        profile_text = profile(models[layers[-1]], work / "profiled.onnx", args.pipeline)
-        (work / "profile.txt").write_text(profile_text)
+    if args.profile:
+        (work / "profile.txt").write_text(profile(models[layers[-1]], work / "profiled.onnx", args.pipeline))
         print(f"\ncProfile of the {layers[-1]}-layer run: {work / 'profile.txt'}")
-    if args.json:
-        args.json.write_text(json.dumps({"nodes": nodes, "peers": peers, "depth": depth, "per_pass": per_pass,
-                                         "table": table}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"nodes": nodes, "peers": peers, "depth": depth, "per_pass": per_pass, "targets": figures,
+         "load_average": [load_before[0], load_after[0]], "cpus": os.cpu_count()}, indent=1) + "\n")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.json')}")
     return 0
 
 

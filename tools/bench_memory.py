@@ -115,6 +115,7 @@ def measure(label: str, argv: list[str], *, timeout: float, mem_cap_gb: float | 
     _kill_group(proc.pid)
     m.returncode = proc.returncode
     m.max_rss_mb = usage.ru_maxrss / 1024 if usage else 0.0
+    m.extra["cpu_seconds"] = usage.ru_utime + usage.ru_stime if usage else 0.0  # user + system, all waited-for
     m.tree_peak_mb = max(m.tree_peak_mb, m.max_rss_mb)
     for out in outputs:
         for file in (out, out.with_name(out.name + ".data")):

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx.reference import ReferenceEvaluator
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from qnnpasses.passes.fold._nops import (
     constants_second,
@@ -207,6 +206,8 @@ def _size_ok(node: gs.Node, max_bytes: int) -> tuple[bool, str]:
 
 def evaluate(node: gs.Node, opsets: dict[str, int]) -> list[np.ndarray]:
     """Run one node on constant inputs with the ONNX reference evaluator at ``opsets``."""
+    from onnx.reference import ReferenceEvaluator  # imported on the first node that folds
+
     proto = OnnxExporter.export_node(node)
     names = [f"i{k}" if t.name else "" for k, t in enumerate(node.inputs)]
     proto.input[:] = names

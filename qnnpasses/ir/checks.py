@@ -190,9 +190,14 @@ def _set_type(tensor: gs.Variable, ttype, dtypes: dict[int, object]) -> None:
                                        else onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
         tensor.dtype = dtypes[ttype.elem_type]
     if ttype.HasField("shape"):
-        tensor.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in ttype.shape.dim]
+        tensor.shape = [_dim(d) for d in ttype.shape.dim]
     else:
         tensor.shape = None
+
+
+def _dim(dim) -> int | str | None:
+    which = dim.WhichOneof("value")
+    return dim.dim_value if which == "dim_value" else (dim.dim_param or None)
 
 
 _NON_NUMPY = {onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2}

@@ -26,8 +26,12 @@ def _simple(graph: gs.Graph) -> bool:
         return False
     for node in graph.nodes:
         for value in node.attrs.values():
-            if isinstance(value, gs.Graph) or (isinstance(value, list) and any(isinstance(v, gs.Graph) for v in value)):
+            if isinstance(value, gs.Graph):
                 return False
+            if isinstance(value, list):
+                for sub in value:
+                    if isinstance(sub, gs.Graph):
+                        return False
     return True
 
 
@@ -44,6 +48,28 @@ def _sorted_nodes(graph: gs.Graph) -> list[gs.Node]:
     local = {t.name for node in graph.nodes for t in node.outputs if t.name}
     local.update(t.name for t in graph.inputs)
     level: dict[int, int] = {}
+    # Already sorted (the common case: a rewrite appends a few nodes to a sorted graph)?  Then
+    # the depth-first discovery order is the list order, and one forward sweep gives the depths.
+    for node in graph.nodes:
+        deepest = -1
+        for tensor in node.inputs:
+            if isinstance(tensor, gs.Constant) or tensor.name not in local:
+                continue
+            for producer in tensor.inputs:
+                known = level.get(id(producer))
+                if known is None:
+                    break
+                deepest = known if known > deepest else deepest
+            else:
+                continue
+            break
+        else:
+            level[id(node)] = deepest + 1
+            continue
+        break
+    else:
+        return sorted(graph.nodes, key=lambda n: level[id(n)])
+    level.clear()
     order: list[gs.Node] = []  # first-completion order, as graphsurgeon's dict insertion
 
     def producers(node: gs.Node) -> list[gs.Node]:

@@ -177,11 +177,13 @@ class IRModel:
 def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
     yield graph
     for node in graph.nodes:
-        for value in node.attrs.values():
-            subgraphs = value if isinstance(value, list) else [value]
-            for sub in subgraphs:
-                if isinstance(sub, gs.Graph):
-                    yield from iter_graphs(sub)
+        for value in node.attrs.values():  # no list per attribute: this runs several times per pass
+            if isinstance(value, gs.Graph):
+                yield from iter_graphs(value)
+            elif isinstance(value, list):
+                for sub in value:
+                    if isinstance(sub, gs.Graph):
+                        yield from iter_graphs(sub)
 
 
 def const_nbytes(tensor: gs.Constant) -> int:
