@@ -132,12 +132,20 @@ def _up_cast_source(x: gs.Tensor) -> gs.Tensor | None:
     return cast.inputs[0] if src.kind == "f" and src.itemsize < np.dtype(x.dtype or np.float32).itemsize else None
 
 
-def match_rms(reduce: gs.Node, graph: gs.Graph) -> NormMatch | str:
-    """``x * 1/sqrt(mean(x^2) + eps) [* weight]`` rooted at the ReduceMean ``reduce``."""
+def _not_last_axis_mean(reduce: gs.Node) -> str:
+    """Why ``reduce`` is not a keepdims ReduceMean over the single last axis ("" when it is)."""
     if reduce.op != "ReduceMean":
         return "not a ReduceMean"
     if not reduces_last_axis(reduce):
         return f"ReduceMean axes {reduce_axes(reduce)} are not the single last axis with keepdims"
+    return ""
+
+
+def match_rms(reduce: gs.Node, graph: gs.Graph) -> NormMatch | str:
+    """``x * 1/sqrt(mean(x^2) + eps) [* weight]`` rooted at the ReduceMean ``reduce``."""
+    problem = _not_last_axis_mean(reduce)
+    if problem:
+        return problem
     x = squared_operand(producer(reduce.inputs[0]))
     if x is None:
         return "ReduceMean input is not Pow(x, 2) or Mul(x, x)"
@@ -166,10 +174,9 @@ def _centered_source(v: gs.Tensor) -> gs.Tensor | None:
 
 def match_layernorm(reduce: gs.Node, graph: gs.Graph) -> NormMatch | str:
     """``(x - mean(x)) / sqrt(var(x) + eps) [* gamma] [+ beta]`` rooted at the variance ReduceMean."""
-    if reduce.op != "ReduceMean":
-        return "not a ReduceMean"
-    if not reduces_last_axis(reduce):
-        return f"ReduceMean axes {reduce_axes(reduce)} are not the single last axis with keepdims"
+    problem = _not_last_axis_mean(reduce)
+    if problem:
+        return problem
     v = squared_operand(producer(reduce.inputs[0]))
     x = None if v is None else _centered_source(v)
     if x is None:
