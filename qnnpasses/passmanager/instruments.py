@@ -46,6 +46,8 @@ class ProgressInstrument(Instrument):
             CHANGED: f"{record.nodes_before} -> {record.nodes_after} nodes",
             ROLLED_BACK: f"ROLLED BACK: {record.reason}",
         }.get(record.status, record.reason or record.status)
+        if record.misreported:
+            detail += " (the pass misreported whether it changed the graph)"
         self.console.print(f"[{elapsed:7.1f}s] {record.index:>3} {pass_.name:<22} {record.seconds:6.2f}s  {detail}",
                            markup=False)
 
