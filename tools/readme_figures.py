@@ -240,7 +240,10 @@ def memory_bullet(path: Path) -> str:
 def speed_bullet(path: Path) -> str:
     text = _read(path)
     head = _find(r"(\d+)-layer LLaMA \((\d+) nodes\), median of (\d+)", text, path)
-    ours = float(_table_row(text, "qnnpasses run --pipeline htp-llm", path)[1])
+    try:
+        ours = float(_table_row(text, "qnnpasses run --pipeline htp-llm", path)[1])
+    except ValueError:
+        raise SourceError(f"{path.relative_to(ROOT)}: the htp-llm run has no wall time (did it fail?)") from None
     ratios = {label: _table_row(text, f"{label} (alone)", path)[3] for label in ("onnxsim", "onnxslim")}
     depth = re.findall(r"^\| (\d+) \| (\d+) \| ([0-9.]+) \|", text, re.MULTILINE)
     if not depth:
