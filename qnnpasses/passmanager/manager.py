@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,11 +193,8 @@ class PassManager:
     def _prepare_cases(self, ir: IRModel) -> list[dict[str, np.ndarray]]:
         given = [self.config.inputs] if self.config.inputs else []
         calibration = self.context.calibration
-        if calibration is not None:
-            for i, sample in enumerate(calibration):
-                if i >= MAX_GIVEN_SAMPLES:
-                    break
-                given.append(dict(sample))
+        if isinstance(calibration, Sequence):  # never consume a one-shot iterator the passes still need
+            given += [dict(calibration[i]) for i in range(min(len(calibration), MAX_GIVEN_SAMPLES))]
         shapes = self._planned_shapes(ir)
         if self.config.inputs:  # the user's inputs set the shapes of every case
             shapes.update({k: list(v.shape) for k, v in self.config.inputs.items() if isinstance(v, np.ndarray)})
