@@ -64,6 +64,8 @@ def register(subparsers) -> None:
                              "with --act uint8) until top-1 agreement with fp32 reaches F on CPU (uses --evaluate data)")
     parser.add_argument("--target-ppl-ratio", type=float, default=None, metavar="R",
                         help="... until perplexity is at most R x fp32's")
+    parser.add_argument("--target-cosine", type=float, default=None, metavar="C",
+                        help="... until the first output's cosine with fp32 reaches C (encoders)")
     parser.add_argument("--layer-budget", type=int, default=None, metavar="N",
                         help="raise at most N layers (alone: raise exactly the N weakest)")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC",
@@ -93,8 +95,9 @@ def _sensitivity(args, policy: PrecisionPolicy, tmp: Path):
     from qnnpasses.quant.driver import ensure_pipeline, outlier_rewrites, quant_prep
     from qnnpasses.quant.sensitivity import raise_until
 
-    if (args.target_top1 is not None or args.target_ppl_ratio is not None) and not args.evaluate:
-        raise BadInputError("--target-top1/--target-ppl-ratio need --evaluate DATA (held-out samples to score on)")
+    if (args.target_top1 is not None or args.target_ppl_ratio is not None or args.target_cosine is not None) \
+            and not args.evaluate:
+        raise BadInputError("--target-top1/--target-ppl-ratio/--target-cosine need --evaluate DATA (held-out samples)")
     ir = load_model(args.model)
     ensure_pipeline(ir, pipeline=args.pipeline, shapes=parse_shape_args(args.shape))
     calib = CalibrationData(args.calib, model_inputs(ir))
@@ -104,7 +107,8 @@ def _sensitivity(args, policy: PrecisionPolicy, tmp: Path):
     prepared = save_model(ir, tmp / "prepared.onnx")
     evals = CalibrationData(args.evaluate, model_inputs(ir)) if args.evaluate else calib
     search = raise_until(prepared, calib, evals, replace(policy, outliers=""), target_top1=args.target_top1,
-                         target_ppl_ratio=args.target_ppl_ratio, budget=args.layer_budget or 16,
+                         target_ppl_ratio=args.target_ppl_ratio, target_cosine=args.target_cosine,
+                         budget=args.layer_budget or 16,
                          eval_samples=args.eval_samples or 8)
     return prepared, search.chosen, search
 
@@ -128,7 +132,8 @@ def main(args) -> int:
     prepared = out.with_name(out.stem + ".prepared.onnx") if args.overrides else None
     model, search = args.model, None
     with tempfile.TemporaryDirectory(prefix="qnnpasses-sens-") as tmp:
-        if args.target_top1 is not None or args.target_ppl_ratio is not None or args.layer_budget:
+        if args.target_top1 is not None or args.target_ppl_ratio is not None or args.target_cosine is not None \
+                or args.layer_budget:
             model, policy, search = _sensitivity(args, policy, Path(tmp))
         result = quantize_model(model, args.calib, out, policy, shapes=parse_shape_args(args.shape),
                                 keep_prepared=prepared, pipeline=args.pipeline, run_prep=search is None)

@@ -76,10 +76,13 @@ class PrecisionPolicy:
     calibrate_method: str = "minmax"
     block_size: int | None = None
     weight_scales: str = "minmax"
-    #: MatMul/Gemm nodes raised above the plan: 8-bit weights in an int4 plan, 16-bit outputs in an a8 one.
+    #: MatMul/Gemm nodes raised above the plan: 8-bit weights in an int4 plan, 16-bit outputs in an a8 one,
+    #: 16-bit weights in a w8a16 one.
     raised: tuple[str, ...] = ()
     #: Outlier rewrites run on the prepared graph before planning (a textual pipeline, "" for none).
     outliers: str = ""
+    #: Width of the other float constants (biases, norm scales/shifts, position tables...): 8 or 16.
+    const_bits: int = 8
 
     def __post_init__(self) -> None:
         if self.act not in ("uint8", "uint16"):
@@ -326,20 +329,30 @@ def make_plan(ir: IRModel, policy: PrecisionPolicy) -> Plan:
     if unknown:
         raise BadInputError(f"raised layers {unknown[:3]} are not weighted MatMul/Gemm nodes of this graph")
     raised_weights = {nodes[n].inputs[1].name for n in policy.raised}
+    raised_16 = set()
     if policy.weight_bits == 4:  # the lm_head (and the embedding, an activation here) stay at 8 bit or more
         plan.weights_8bit = sorted(set(head_weights(ir.graph)) | raised_weights)
     elif policy.act_bits == 8 and policy.raised:
         for n in policy.raised:
             plan.overrides.setdefault(nodes[n].outputs[0].name, [{"quant_type": QuantType.QUInt16}])
+    elif policy.weight_bits == 8:  # w8a16: the weakest layers get 16-bit weights
+        raised_16 = raised_weights
     for name, axis in weighted_inputs(ir.graph).items():
-        wtype = QuantType.QInt8 if name in plan.weights_8bit else policy.weight_type
+        wtype = QuantType.QInt8 if name in plan.weights_8bit else QuantType.QInt16 if name in raised_16 \
+            else policy.weight_type
         entry: dict[str, Any] = {"quant_type": wtype, "symmetric": symmetric}
         if policy.per_channel:
             entry["axis"] = axis
             plan.per_channel[name] = axis
         plan.overrides[name] = [entry]
     for name in norm_scales(ir.graph):  # the HTP's LayerNorm rejects int8 and asymmetric uint16 gammas
-        plan.overrides[name] = [{"quant_type": QuantType.QUInt8, "symmetric": False}]
+        plan.overrides[name] = [{"quant_type": QuantType.QUInt16, "symmetric": True} if policy.const_bits == 16
+                                else {"quant_type": QuantType.QUInt8, "symmetric": False}]
+    if policy.const_bits == 16:  # biases and the like at the activations' 16-bit grid
+        for node in ir.graph.nodes:
+            for t in node.inputs:
+                if isinstance(t, gs.Constant) and np.dtype(t.dtype).kind == "f" and t.name not in plan.overrides:
+                    plan.overrides[t.name] = [{"quant_type": QuantType.QUInt16}]
     if policy.weight_bits == 4:  # int4 is for projection weights only: rotary tables, scales... stay int8
         for node in ir.graph.nodes:
             for t in node.inputs:

@@ -13,7 +13,8 @@ what the HTP will suffer from: a low-SQNR layer is one whose weights do not fit 
 :func:`raise_until` then quantizes with the ``k`` weakest layers raised (8-bit weights in an
 int4 plan, 16-bit outputs in an 8-bit-activation plan; :attr:`PrecisionPolicy.raised`) for
 ``k = 0, 1, 2, 4, 8, ...`` up to ``budget``, scores each on onnxruntime CPU against fp32 and
-stops at the first that meets the target (top-1 agreement and/or perplexity ratio).  The
+stops at the first that meets the target (top-1 agreement, perplexity ratio, output cosine).
+In a w8a16 plan the raised layers get 16-bit weights.  The
 CPU run of the QDQ graph is a proxy for the HTP (the same encodings; the HTP's integer
 kernels round differently); the chosen plan is what ``qnnpasses quantize`` then measures
 on the HTP with ``--evaluate``.
@@ -101,7 +102,8 @@ class Search:
 
 
 def raise_until(prepared: str | Path, calib: CalibrationData, evals: CalibrationData, policy: PrecisionPolicy, *,
-                target_top1: float | None = None, target_ppl_ratio: float | None = None, budget: int = 16,
+                target_top1: float | None = None, target_ppl_ratio: float | None = None,
+                target_cosine: float | None = None, budget: int = 16,
                 eval_samples: int = 8, quantize: Callable | None = None) -> Search:
     """The smallest ``k`` weakest layers (0, 1, 2, 4, ... <= ``budget``) to raise for the target (module docs)."""
     from qnnpasses.quant.driver import quantize_model
@@ -111,7 +113,7 @@ def raise_until(prepared: str | Path, calib: CalibrationData, evals: Calibration
     search = Search(layer_sqnr(prepared, calib, policy))
     order = list(search.sqnr)
     counts = [0] + [2 ** i for i in range(int(math.log2(max(budget, 1))) + 1) if 2 ** i <= budget]
-    if target_top1 is None and target_ppl_ratio is None:
+    if target_top1 is None and target_ppl_ratio is None and target_cosine is None:
         counts = [budget]  # a plain layer budget
     with tempfile.TemporaryDirectory(prefix="qnnpasses-raise-") as tmp:
         for k in dict.fromkeys(counts):
@@ -121,7 +123,8 @@ def raise_until(prepared: str | Path, calib: CalibrationData, evals: Calibration
             head = evaluate(prepared, path, evals, on="cpu", limit=eval_samples).headline
             ratio = head.perplexity / head.reference_perplexity if head.perplexity else None
             ok = (target_top1 is None or (head.top1 or 0) >= target_top1) and \
-                 (target_ppl_ratio is None or (ratio is not None and ratio <= target_ppl_ratio))
+                 (target_ppl_ratio is None or (ratio is not None and ratio <= target_ppl_ratio)) and \
+                 (target_cosine is None or head.cosine >= target_cosine)
             search.steps.append({"raised": k, "top1": head.top1, "ppl_ratio": ratio, "cosine": head.cosine, "met": ok})
             search.chosen = candidate
             if ok:

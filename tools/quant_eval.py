@@ -1,0 +1,319 @@
+#!/usr/bin/env python
+"""Quantized trained models on the HTP: w8a16 / w4a16, with and without the outlier rewrites.
+
+Writes ``docs/quant_llm.md`` and ``docs/quant_llm.json``: for SmolLM2-135M (causal LM) and
+MiniLM-L6 (sentence encoder), built by ``tools/trained_fixtures.py``, each cell quantized by
+``qnnpasses.quant`` and run on onnxruntime-qnn's HTP backend in integer mode (soc_model /
+htp_arch named, graph-I/O Q/DQ on the HTP), scored against the fp32 export on onnxruntime CPU
+over held-out windows of English text (disjoint from the calibration windows).
+
+    python tools/quant_eval.py data [--out DIR] [--eval-windows 16] [--calib-windows 32]
+    python tools/quant_eval.py run --cells smollm2:w8a16,smollm2:w8a16+rot ... [--data DIR] [--results FILE.json]
+    python tools/quant_eval.py report --results FILE.json [--docs docs]
+
+``data`` tokenizes the text (``english_text.py``) with each model's own tokenizer;
+``run`` measures cells and merges them into the results file (one cell at a time, so a long
+measurement can be split over several background runs); ``report`` renders the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TOOLS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS_DIR))
+
+import english_text  # noqa: E402
+import trained_fixtures as tf  # noqa: E402
+
+DEFAULT_DATA = tf.DEFAULT_CACHE / "quant_eval"
+
+
+# --------------------------------------------------------------------------- data
+
+
+def tokenizer(spec: tf.TrainedSpec):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    root = spec.package_dir()
+    if spec.task == "causal-lm":
+        return AutoTokenizer.from_pretrained(root, gguf_file=next(root.glob("*.gguf")).name)
+    return AutoTokenizer.from_pretrained(root / "model")
+
+
+def write_data(out: Path, eval_windows: int, calib_windows: int) -> dict[str, dict[str, str]]:
+    """``MODEL.eval.npz`` / ``MODEL.calib.npz`` per trained model (graph inputs, plus labels for LMs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, spec in tf.SPECS.items():
+        tok = tokenizer(spec)
+        if spec.task == "causal-lm":
+            text = english_text.split_text(tf.TEXT_SOURCE)
+            ev = tf.lm_windows(tok, text["eval"], spec.seq, eval_windows)
+            cal = tf.lm_windows(tok, text["calib"], spec.seq, calib_windows)
+            del cal["labels"]
+        else:
+            paras = english_text.split_paragraphs(tf.TEXT_SOURCE)
+            ev = tf.encoder_windows(tok, paras["eval"], spec.seq, eval_windows)
+            cal = tf.encoder_windows(tok, paras["calib"], spec.seq, calib_windows)
+        np.savez(out / f"{name}.eval.npz", **ev)
+        np.savez(out / f"{name}.calib.npz", **cal)
+        written[name] = {"eval": str(out / f"{name}.eval.npz"), "calib": str(out / f"{name}.calib.npz")}
+    return written
+
+
+# --------------------------------------------------------------------------- cells
+
+#: Cell name -> (policy fields, outlier rewrites).  ``+rot``: fold-norm-weights,rotate-residual.
+PRECISION_FIELDS = {"w8a16": {"act": "uint16", "weights": "int8"},
+                    "w4a16": {"act": "uint16", "weights": "int4", "weight_scales": "mse"},
+                    "w8a16mse": {"act": "uint16", "weights": "int8", "weight_scales": "mse"},
+                    # the 8 layers with the lowest weight SQNR (qnnpasses.quant.sensitivity) at 16-bit weights
+                    "w8a16r8": {"act": "uint16", "weights": "int8", "raise": 8},
+                    "w4a16r8": {"act": "uint16", "weights": "int4", "weight_scales": "mse", "raise": 8}}
+ROTATE = "fold-norm-weights,rotate-residual"
+
+
+def parse_cell(cell: str) -> tuple[str, str, bool]:
+    """``smollm2:w8a16+rot`` -> (model name, precision, rotate)."""
+    model, _, rest = cell.partition(":")
+    precision, _, extra = rest.partition("+")
+    names = {n.split("_")[0]: n for n in tf.SPECS}
+    if model not in names or precision not in PRECISION_FIELDS or extra not in ("", "rot"):
+        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision in {sorted(PRECISION_FIELDS)}, +rot)")
+    return names[model], precision, extra == "rot"
+
+
+def prepared_model(name: str, rotate: bool, data: Path) -> Path:
+    """The export through htp-llm (quantization layout) + quant prep (+ the rotation), cached in ``data``."""
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.quant.calibration import CalibrationData, model_inputs
+    from qnnpasses.quant.driver import ensure_pipeline, outlier_rewrites, quant_prep
+
+    path = data / f"{name}{'.rot' if rotate else ''}.prepared.onnx"
+    if path.exists():
+        return path
+    base = data / f"{name}.prepared.onnx"
+    ir = load_model(base if base.exists() else tf.DEFAULT_CACHE / f"{name}_ts.onnx")
+    calib = CalibrationData(data / f"{name}.calib.npz", model_inputs(ir))
+    if not base.exists():
+        ensure_pipeline(ir)
+        quant_prep(ir, calib)
+        save_model(ir, base)
+    if rotate:
+        records = outlier_rewrites(ir, ROTATE, calib)
+        (data / f"{name}.rot.records.json").write_text(json.dumps(records, indent=1, default=str))
+        save_model(ir, path)
+    return path
+
+
+def quantized_model(cell: str, data: Path) -> tuple[Path, dict]:
+    from qnnpasses.quant.driver import quantize_model
+    from qnnpasses.quant.policy import PrecisionPolicy
+
+    name, precision, rotate = parse_cell(cell)
+    out = data / "cells" / (cell.replace(":", "_").replace("+", "_") + ".qdq.onnx")
+    info = out.with_suffix(".json")
+    if out.exists() and info.exists():
+        return out, json.loads(info.read_text())
+    prepared = prepared_model(name, rotate, data)
+    fields = dict(PRECISION_FIELDS[precision])
+    raise_count = fields.pop("raise", 0)
+    policy = PrecisionPolicy(**fields)
+    if raise_count:
+        from dataclasses import replace
+
+        from qnnpasses.ir.load import load_model
+        from qnnpasses.quant.calibration import CalibrationData, model_inputs
+        from qnnpasses.quant.sensitivity import layer_sqnr
+
+        calib = CalibrationData(data / f"{name}.calib.npz", model_inputs(load_model(prepared)))
+        policy = replace(policy, raised=tuple(list(layer_sqnr(prepared, calib, policy))[:raise_count]))
+    result = quantize_model(prepared, data / f"{name}.calib.npz", out, policy, run_prep=False)
+    record = {"policy": policy.label(), "plan": result.plan.summary(), "weights": result.weights,
+              "calibration_samples": result.calibration_samples, "quantize_seconds": round(result.seconds, 1)}
+    if rotate:
+        record["rotation"] = json.loads((data / f"{name}.rot.records.json").read_text())
+    info.write_text(json.dumps(record, indent=1, default=str))
+    return out, record
+
+
+def window_stats(name: str, ref: np.ndarray, got: np.ndarray, feed: dict, labels) -> dict:
+    """Additive statistics of one window (so windows measured in separate runs merge exactly)."""
+    import accuracy_metrics as am
+
+    r, g = ref.astype(np.float64), got.astype(np.float64)
+    stats = {"dot": float((r * g).sum()), "rr": float((r * r).sum()), "gg": float((g * g).sum()),
+             "max_abs": float(np.abs(r - g).max())}
+    if tf.SPECS[name].task == "causal-lm":
+        stats.update(tokens=int(r.shape[1]), top1=int((r.argmax(-1) == g.argmax(-1)).sum()),
+                     nll_ref=float(am.token_nll(r, labels).sum()), nll_got=float(am.token_nll(g, labels).sum()))
+    else:
+        mask = feed["attention_mask"]
+        pr, pg = am.mean_pool(r, mask)[0], am.mean_pool(g, mask)[0]
+        stats["embedding_cosine"] = float(pr @ pg / (np.linalg.norm(pr) * np.linalg.norm(pg)))
+    return stats
+
+
+def measure(cell: str, data: Path, windows: range) -> dict:
+    """Quantize (cached) and run ``windows`` of the held-out set on the HTP; per-window statistics."""
+    import onnxruntime as ort
+
+    from qnnpasses.backends.htp import HTP_ARCH, SOC_MODEL, parse_profile
+    from qnnpasses.quant.evaluate import HTP_INT_OPTIONS, htp_int_session
+
+    name, _, _ = parse_cell(cell)
+    qdq, record = quantized_model(cell, data)
+    fp32 = ort.InferenceSession(str(tf.DEFAULT_CACHE / f"{name}_ts.onnx"), providers=["CPUExecutionProvider"])
+    ev = tf.load_npz(data / f"{name}.eval.npz")
+    names = [i.name for i in fp32.get_inputs()]
+    t0 = time.monotonic()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session = htp_int_session(qdq, profile_dir=tmp)
+        t1 = time.monotonic()
+        per = {}
+        for i in windows:
+            feed = tf.graph_feeds(ev, i, names)
+            ref = fp32.run(None, feed)[0]
+            got = session.run(None, feed)[0]
+            per[str(i)] = window_stats(name, ref, got, feed, ev["labels"][i:i + 1] if "labels" in ev else None)
+        partitions, cpu_nodes = parse_profile(session.end_profiling())
+    return {"cell": cell, "record": record, "windows": per, "qnn_partitions": partitions, "cpu_nodes": len(cpu_nodes),
+            "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH, "provider_options": HTP_INT_OPTIONS,
+            "session_seconds": round(t1 - t0, 1), "run_seconds": round(time.monotonic() - t1, 1)}
+
+
+def merge(results: dict, measured: dict) -> dict:
+    cell = results.setdefault("cells", {}).setdefault(measured["cell"], {"windows": {}})
+    cell["windows"].update(measured.pop("windows"))
+    placements = cell.setdefault("placements", [])
+    placements.append({k: measured[k] for k in ("qnn_partitions", "cpu_nodes", "session_seconds", "run_seconds")})
+    cell.update({k: v for k, v in measured.items() if k not in ("qnn_partitions", "cpu_nodes", "session_seconds",
+                                                                 "run_seconds", "cell")})
+    return results
+
+
+# --------------------------------------------------------------------------- report
+
+TARGETS = {("smollm2_135m", "w8a16"): {"top1": 0.95, "ppl_ratio": 1.05},
+           ("smollm2_135m", "w4a16"): {"top1": 0.85, "ppl_ratio": 1.20},
+           ("minilm_l6", "w8a16"): {"embedding_cosine": 0.9995}}
+
+
+def summarize(cell: str, entry: dict) -> dict:
+    name, precision, rotate = parse_cell(cell)
+    w = list(entry["windows"].values())
+    out = {"cell": cell, "model": name, "precision": precision, "rotated": rotate, "windows": len(w),
+           "cosine": sum(x["dot"] for x in w) / np.sqrt(sum(x["rr"] for x in w) * sum(x["gg"] for x in w)),
+           "max_abs": max(x["max_abs"] for x in w),
+           "qnn_partitions": sorted({p["qnn_partitions"] for p in entry["placements"]}),
+           "cpu_nodes": max(p["cpu_nodes"] for p in entry["placements"])}
+    if "top1" in w[0]:
+        tokens = sum(x["tokens"] for x in w)
+        out.update(tokens=tokens, top1=sum(x["top1"] for x in w) / tokens,
+                   perplexity=float(np.exp(sum(x["nll_got"] for x in w) / tokens)),
+                   reference_perplexity=float(np.exp(sum(x["nll_ref"] for x in w) / tokens)))
+        out["ppl_ratio"] = out["perplexity"] / out["reference_perplexity"]
+    else:
+        cos = [x["embedding_cosine"] for x in w]
+        out.update(embedding_cosine=float(np.mean(cos)), embedding_cosine_min=float(np.min(cos)))
+    target = TARGETS.get((name, precision[:5]))
+    if target:
+        met = {k: (out[k] <= v if k == "ppl_ratio" else out[k] >= v) for k, v in target.items()}
+        out["target"], out["met"] = target, all(met.values())
+    out["plan"] = entry.get("record", {}).get("policy")
+    out["weights"] = entry.get("record", {}).get("weights")
+    return out
+
+
+def render(results: dict) -> str:
+    rows = [summarize(c, e) for c, e in sorted(results.get("cells", {}).items())]
+    any_cell = next(iter(results.get("cells", {}).values()), {})
+    lines = ["# Quantized trained models on the HTP", "",
+             "Written by `python tools/quant_eval.py report` from measurements by `tools/quant_eval.py run`.", "",
+             f"QDQ models on onnxruntime-qnn's HTP backend in integer mode (soc_model {any_cell.get('soc_model')}, "
+             f"htp_arch {any_cell.get('htp_arch')}; graph-input/-output Q/DQ offloaded to the HTP too: "
+             f"`offload_graph_io_quantization=0`, so nothing runs on the CPU EP), scored against the fp32 export "
+             "on onnxruntime CPU over held-out windows of English text (64 tokens for SmolLM2, 128 for MiniLM; "
+             f"calibration: {results.get('calibration_windows', '?')} windows from disjoint documents).",
+             "`+rot`: `fold-norm-weights,rotate-residual` (residual stream turned by a 576-point Hadamard matrix) "
+             "before quantization.", "",
+             "| model | precision | outlier rewrite | windows | top-1 vs fp32 | perplexity (fp32) | ratio | "
+             "embedding cosine (min) | logits/hidden cosine | partitions | CPU nodes | target | met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ppl = f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f})" if "perplexity" in r else "-"
+        ratio = f"{r['ppl_ratio']:.3f}×" if "ppl_ratio" in r else "-"
+        top1 = f"{r['top1']:.1%}" if "top1" in r else "-"
+        emb = f"{r['embedding_cosine']:.5f} ({r['embedding_cosine_min']:.5f})" if "embedding_cosine" in r else "-"
+        target = ", ".join(f"{k} {'≤' if k == 'ppl_ratio' else '≥'} {v}" for k, v in r.get("target", {}).items())
+        met = "-" if "met" not in r else ("yes" if r["met"] else "**no**")
+        lines.append(f"| {r['model']} | {r['precision']} ({r['plan']}) | {'rotate' if r['rotated'] else 'none'} | "
+                     f"{r['windows']} | {top1} | {ppl} | {ratio} | {emb} | {r['cosine']:.5f} | "
+                     f"{','.join(map(str, r['qnn_partitions']))} | {r['cpu_nodes']} | {target or '-'} | {met} |")
+    lines += ["", *results.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("data", help="tokenize held-out and calibration windows for both trained models")
+    d.add_argument("--out", type=Path, default=DEFAULT_DATA)
+    d.add_argument("--eval-windows", type=int, default=32)
+    d.add_argument("--calib-windows", type=int, default=64)
+    r = sub.add_parser("run", help="quantize cells and measure windows of them on the HTP")
+    r.add_argument("--cells", required=True, help="comma-separated, e.g. smollm2:w8a16,smollm2:w8a16+rot,minilm:w8a16")
+    r.add_argument("--windows", default="0:16", help="held-out windows START:END (default 0:16)")
+    r.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    r.add_argument("--results", type=Path, required=True, help="JSON file the measurements merge into")
+    p = sub.add_parser("report", help="render docs/quant_llm.md and .json from the results")
+    p.add_argument("--results", type=Path, required=True, nargs="+", help="results files of the runs, merged")
+    p.add_argument("--docs", type=Path, default=TOOLS_DIR.parent / "docs")
+    args = parser.parse_args(argv)
+    if args.command == "data":
+        print(json.dumps(write_data(args.out, args.eval_windows, args.calib_windows), indent=1))
+        return 0
+    if args.command == "run":
+        start, _, end = args.windows.partition(":")
+        for cell in args.cells.split(","):
+            measured = measure(cell, args.data, range(int(start), int(end)))
+            results = json.loads(args.results.read_text()) if args.results.exists() else {}
+            with np.load(args.data / f"{parse_cell(cell)[0]}.calib.npz") as calib:
+                results["calibration_windows"] = int(calib["input_ids"].shape[0])
+            results["machine"] = platform.machine()
+            args.results.write_text(json.dumps(merge(results, measured), indent=1, default=str))
+            print(json.dumps(summarize(cell, results["cells"][cell]), default=str), flush=True)
+        return 0
+    results: dict = {}
+    for path in args.results:
+        part = json.loads(path.read_text())
+        for cell, entry in part.pop("cells", {}).items():
+            mine = results.setdefault("cells", {}).setdefault(cell, {"windows": {}, "placements": []})
+            mine["windows"].update(entry.pop("windows"))
+            mine["placements"] += entry.pop("placements")
+            mine.update(entry)
+        results.update(part)
+    args.docs.mkdir(parents=True, exist_ok=True)
+    summary = {"cells": [summarize(c, e) for c, e in sorted(results.get("cells", {}).items())],
+               "calibration_windows": results.get("calibration_windows"), "raw": results}
+    (args.docs / "quant_llm.json").write_text(json.dumps(summary, indent=1, default=str))
+    (args.docs / "quant_llm.md").write_text(render(results))
+    print(f"wrote {args.docs / 'quant_llm.md'} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
