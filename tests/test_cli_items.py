@@ -281,15 +281,21 @@ def _erf_model(path: Path) -> Path:
 
 
 @requires_htp
-@pytest.mark.parametrize("case", ["erf", "htp-llm"])
+@pytest.mark.parametrize("case", ["erf", "example", "htp-llm"])
 def test_check_lint_diagnose_compile_partition_give_one_verdict(case, htp_llm, tmp_path, capsys):
-    model = _erf_model(tmp_path / "erf.onnx") if case == "erf" else htp_llm
+    """The example as exported (shape arithmetic onnxruntime folds on load), after htp-llm, and
+    a model with an Erf: every command names the same nodes off the HTP."""
+    model = {"erf": _erf_model(tmp_path / "erf.onnx"), "example": TINY, "htp-llm": htp_llm}[case]
     expected_off = {"erf"} if case == "erf" else set()
     _, out, _ = cli(capsys, "check", model, "--format", "json")
     assert {n["name"] for n in json.loads(out)["nodes"] if not n["supported"]} == expected_off
-    code, out, _ = cli(capsys, "lint", model, "--format", "json")
-    errors = {f["node"] for f in json.loads(out)["findings"] if f["severity"] == "error"}
+    # lint's errors are exactly check's CPU nodes (constant-foldable nodes are QP020 warnings)
+    code, out, _ = cli(capsys, "lint", model, "--format", "json", "--fail-on", "error")
+    findings = json.loads(out)["findings"]
+    errors = {f["node"] for f in findings if f["severity"] == "error"}
     assert errors == expected_off and code == (1 if expected_off else 0)
+    if case == "example":
+        assert any(f["rule"] == "QP020" and f["severity"] == "warning" for f in findings)
     code, out, _ = cli(capsys, "diagnose", model, "--format", "json")
     diagnosis = json.loads(out)
     assert code == 0 and diagnosis["ok"] and set(diagnosis["cpu_nodes"]) == expected_off

@@ -109,6 +109,7 @@ class LintContext:
         self.config = config or LintConfig()
         name_nodes(ir.graph)
         self._rewrites: dict[tuple[str, str | None], Rewrite] = {}
+        self._resolves: dict[tuple[Any, str | tuple[str, str]], bool] = {}
 
     # ------------------------------------------------------------------ the model
 
@@ -158,16 +159,24 @@ class LintContext:
             self._rewrites[key] = _run_on_copy(spec, start, self.config.backend)
         return self._rewrites[key]
 
-    def fix_for(self, resolved: Callable[[Rewrite], bool], candidates: Iterable[str | tuple[str, str]]) -> str | None:
+    def fix_for(self, resolved: Callable[[Rewrite], bool], candidates: Iterable[str | tuple[str, str]],
+                key: Any = None) -> str | None:
         """The first candidate pipeline whose rewrite ``resolved`` says fixes the problem.
 
         A candidate is a spec, or ``(spec, base)`` to run it after ``base`` (then the fix
-        reads ``base,spec``).
+        reads ``base,spec``).  ``key`` names the problem ``resolved`` asks about (e.g.
+        ``("node", name)``): each candidate's answer for it is then computed once, however
+        many rules ask (the rewrites themselves are always cached).
         """
         for candidate in candidates:
             spec, base = candidate if isinstance(candidate, tuple) else (candidate, None)
-            result = self.rewrite(spec, base)
-            if not result.rolled_back and resolved(result):
+            answer = self._resolves.get((key, candidate)) if key is not None else None
+            if answer is None:
+                result = self.rewrite(spec, base)
+                answer = not result.rolled_back and resolved(result)
+                if key is not None:
+                    self._resolves[(key, candidate)] = answer
+            if answer:
                 return f"{_display(base)},{_display(spec)}" if base else _display(spec)
         return None
 

@@ -1,11 +1,15 @@
-"""Rule family ``support``: nodes the op-support table predicts off the HTP (QP001-QP004).
+"""Rule family ``support``: nodes the op-support table predicts off the HTP (QP001-QP004, QP020).
 
-The verdicts come from :func:`qnnpasses.op_support.check_graph` (the measured table); each
-reason is sorted into the rule that names its cause: the op itself (QP001), a tensor rank
-above the limit (QP002), an operand that must be a constant (QP003), or a dynamic shape
-(QP004, together with symbolic graph inputs).  The fix is the first pass (or pipeline)
-that, tried on a copy, removes the node or makes it supported while leaving fewer
-unsupported nodes overall; with none, the finding names the manual action.
+The verdicts come from :func:`qnnpasses.op_support.check_graph` (the measured table).  A
+node that constant folding alone fixes (it is folded away, or its shapes become known) is
+QP020, a warning: onnxruntime folds it when it creates a session and the QNN converter
+simplifies by default, so it never leaves the HTP — the verdict ``check``, ``compile``,
+``diagnose`` and ``partition`` give.  Every other reason is sorted into the error rule
+that names its cause: the op itself (QP001), a tensor rank above the limit (QP002), an
+operand that must be a constant (QP003), or a dynamic shape (QP004, together with
+symbolic graph inputs).  The fix is the first pass (or pipeline) that, tried on a copy,
+removes the node or makes it supported while leaving fewer unsupported nodes overall;
+with none, the finding names the manual action.
 """
 
 from __future__ import annotations
@@ -42,7 +46,15 @@ def classify(reason: str, entry: dict[str, Any] | None) -> str:
 
 
 def node_problems(ctx: LintContext, kind: str) -> Iterator[tuple[Any, list[str]]]:
-    """(verdict, reasons of ``kind``) for every unsupported node with such reasons."""
+    """(verdict, reasons of ``kind``) for every unsupported node with such reasons that
+    constant folding does not fix (those are QP020's)."""
+    for verdict, reasons in _unsupported(ctx, kind):
+        if not folds_away(ctx, verdict.name):
+            yield verdict, reasons
+
+
+def _unsupported(ctx: LintContext, kind: str | None = None) -> Iterator[tuple[Any, list[str]]]:
+    """(verdict, explained reasons of ``kind``, all kinds when None) per unsupported node."""
     inputs = {t.name for t in ctx.graph.inputs}
     static = not any(name in inputs for name in symbolic_dims(ctx.graph))
     for verdict in ctx.support:
@@ -50,25 +62,24 @@ def node_problems(ctx: LintContext, kind: str) -> Iterator[tuple[Any, list[str]]
             continue
         node = ctx.nodes[verdict.name]
         entry = lookup(ctx.table, node.op, node.domain)
-        mine = [explain(r, node.name, static_inputs=static) for r in verdict.reasons if classify(r, entry) == kind]
+        mine = [explain(r, node.name, static_inputs=static) for r in verdict.reasons
+                if kind is None or classify(r, entry) == kind]
         if mine:
             yield verdict, mine
 
 
 def _node_fix(ctx: LintContext, name: str, fixers) -> str | None:
-    return ctx.fix_for(lambda rw: rw.resolves_node(name), fixers)
+    return ctx.fix_for(lambda rw: rw.resolves_node(name), fixers, key=("node", name))
+
+
+def folds_away(ctx: LintContext, name: str) -> bool:
+    """Constant folding alone (``simplify``) removes node ``name`` or makes it supported."""
+    return _node_fix(ctx, name, (SIMPLIFY,)) is not None
 
 
 def node_finding(ctx: LintContext, r: Rule, verdict: Any, message: str, fixers, fallback: str | None = None) -> Finding:
-    """A finding on an unsupported node, with its fix, at the rule's severity.  When constant
-    folding alone removes the node the message says so: onnxruntime folds such nodes when it
-    creates a session, so the EP never sees them (measured: every TorchScript fixture compiles
-    whole on the HTP), but the QNN converter and other runtimes need them folded first — the
-    model as written is not ready for the converter, so it stays an error."""
-    fix = _node_fix(ctx, verdict.name, fixers)
-    if fix == "simplify":
-        return r.finding(verdict.name, verdict.op_type, f"{message} [constant-foldable]", fix=fix)
-    return r.finding(verdict.name, verdict.op_type, message, fix=fix or fallback)
+    """A finding on an unsupported node, with its fix, at the rule's severity."""
+    return r.finding(verdict.name, verdict.op_type, message, fix=_node_fix(ctx, verdict.name, fixers) or fallback)
 
 
 @rule("QP001", "unsupported-op", "error", "an op the HTP does not run (predicted from the measured op-support table)",
@@ -127,3 +138,23 @@ def dynamic_shape(ctx: LintContext, r: Rule) -> Iterator[Finding]:
         yield node_finding(ctx, r, verdict, f"{where}, although the graph inputs are static: shape inference "
                                "cannot follow the shape arithmetic before it", SHAPE_FIXERS,
                                fallback="manual: make the shape computation static")
+
+
+@rule("QP020", "constant-foldable", "warning",
+      "a node off the HTP only until constant folding, which onnxruntime and the QNN converter apply",
+      fix="simplify")
+def constant_foldable(ctx: LintContext, r: Rule) -> Iterator[Finding]:
+    """A node the op-support table rejects as written (an op such as Shape or
+    ConstantOfShape, a computed Expand/Reshape shape, a shape unknown behind shape
+    arithmetic) that constant folding alone removes or makes supported: TorchScript exports
+    are full of them.  A warning, not an error, because it never leaves the HTP: onnxruntime
+    folds it when it creates a session (so the QNN EP never sees it, and ``check``,
+    ``compile``, ``diagnose`` and ``partition`` place the model whole on the HTP), and
+    qnn-onnx-converter simplifies the model the same way unless given
+    ``--no_simplification``.  Folding it explicitly (``simplify``, part of every pipeline)
+    still pays: the converter package and the analyses (memory, partition, lint's own
+    pattern rules) then see the graph that really runs, with every shape known."""
+    for verdict, reasons in _unsupported(ctx):
+        if folds_away(ctx, verdict.name):
+            yield r.finding(verdict.name, verdict.op_type,
+                            f"{'; '.join(reasons)} (until constant folding, which onnxruntime does on load)")
