@@ -63,14 +63,15 @@ def test_split_concat_leaves_no_concat_of_a_graph_input(tmp_path):
 
 def test_new_outputs_then_split_removes_every_cache_concat(tmp_path):
     from qnnpasses.passes.kvcache.kv_new_outputs import KvNewOutputs
-    from qnnpasses.passmanager.api import PassContext
+
     from qnnpasses.ir.load import load_model
+    from qnnpasses.passmanager.api import PassContext
 
     ir = load_model(_model(tmp_path))
     assert KvNewOutputs(replace="present", by="new").run(ir, PassContext()).changed
     assert [t.name for t in ir.graph.outputs] == ["out", "new_k"]
     path = save_model(ir, tmp_path / "new.onnx")
-    ir, record = run_strictly(path, "kv-split-concat", inputs=_inputs())
+    ir, _ = run_strictly(path, "kv-split-concat", inputs=_inputs())
     assert not [n for n in ir.graph.nodes if n.op == "Concat" and any(t.name.startswith("past") for t in n.inputs)]
     got = ort.InferenceSession(str(save_model(ir, tmp_path / "split.onnx"))).run(None, _inputs())
     ref = ort.InferenceSession(str(_model(tmp_path))).run(None, _inputs())

@@ -28,7 +28,13 @@ import onnx_graphsurgeon as gs
 from qnnpasses.passes.kvcache._contract import EXACT
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import STATIC_SHAPES, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    STATIC_SHAPES,
+    Pass,
+    PassContext,
+    PassResult,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import (
     constant_value,
     emit,

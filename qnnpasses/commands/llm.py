@@ -56,8 +56,8 @@ def main(args) -> int:
 
 
 def render_text(manifest: dict) -> str:
-    lines = [f"{manifest['dir']}: {manifest['layers']} layers, context {manifest['context']}, prefill {manifest['prefill']}, "
-             f"{manifest['precision']}, weight sharing: {manifest['weight_sharing']}"]
+    lines = [(f"{manifest['dir']}: {manifest['layers']} layers, context {manifest['context']}, "
+              f"prefill {manifest['prefill']}, {manifest['precision']}, weight sharing: {manifest['weight_sharing']}")]
     for name, graph in manifest["graphs"].items():
         files = ", ".join(p["compiled"] or p["onnx"] for p in graph["parts"])
         lines.append(f"  {name}: {graph['tokens']} token(s) after {graph['past']} cache slots -> {files}")

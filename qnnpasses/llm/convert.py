@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.load import load_model

@@ -81,13 +81,13 @@ def calibration_samples(folder: Path, manifest: dict[str, Any], sequences: np.nd
                     cache[past][:, :, valid:valid + len(chunk)] = out[new][:, :, :len(chunk)]
             valid += len(chunk)
             samples[name].append(feed)
-    for name in samples:
-        if not samples[name]:
+    for name, calls in samples.items():
+        if not calls:
             raise BadInputError(f"--calib: the sequences give no {name} call (need more than "
                                 f"{2 * size if name == 'decode' else 1} tokens)")
-        if len(samples[name]) > MAX_SAMPLES:  # evenly spread over the calls
-            keep = np.linspace(0, len(samples[name]) - 1, MAX_SAMPLES).round().astype(int)
-            samples[name] = [samples[name][i] for i in keep]
+        if len(calls) > MAX_SAMPLES:  # evenly spread over the calls
+            keep = np.linspace(0, len(calls) - 1, MAX_SAMPLES).round().astype(int)
+            samples[name] = [calls[i] for i in keep]
     return samples
 
 

@@ -89,9 +89,9 @@ def graphs_markdown(manifest: dict[str, Any], facts: dict[str, Any]) -> str:
 def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
     """report.md of one ``qnnpasses llm`` run."""
     lines = [f"# {manifest['source']}: prefill + decode pair", "",
-             f"context {manifest['context']}, prefill {manifest['prefill']}, {manifest['layers']} layers, "
-             f"{manifest['kv_heads']} KV heads x {manifest['head_dim']}, vocab {manifest['vocab']}, "
-             f"precision {manifest['precision']}, weight sharing: {manifest['weight_sharing']}", ""]
+             (f"context {manifest['context']}, prefill {manifest['prefill']}, {manifest['layers']} layers, "
+              f"{manifest['kv_heads']} KV heads x {manifest['head_dim']}, vocab {manifest['vocab']}, "
+              f"precision {manifest['precision']}, weight sharing: {manifest['weight_sharing']}"), ""]
     verification = report.get("verification") or {}
     if verification:
         lines.append(f"CPU check vs the original export ({verification['prompt_tokens']} prompt tokens in chunks, "
@@ -119,13 +119,13 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
 def graphs_section(rows: list[dict[str, Any]]) -> str:
     """docs/llm_graphs.md's table from ``tools/llm_figures.py``'s per-export rows."""
     lines = ["# Prefill + decode graphs on the HTP", "",
-             "Written by `python tools/llm_figures.py --trained`; every figure is in `docs/llm_graphs.json`. "
-             "Accuracy and speed of the trained pair: `docs/llm.md` (`tools/llm_eval.py`).", "",
-             "Each export through `qnnpasses llm` (static cache outside the graph, htp-llm applied). Placement and "
-             "composed QNN op counts come from the real HTP backend (fp16, one probe per graph); KV-cache bytes count "
-             "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·4 (float32 cache); "
-             "`analyze` is `qnnpasses analyze`'s figure for the same graph. The CPU check runs a prompt in padded "
-             "chunks and then decode steps against the original dynamic export.", "",
+             ("Written by `python tools/llm_figures.py --trained`; every figure is in `docs/llm_graphs.json`. "
+              "Accuracy and speed of the trained pair: `docs/llm.md` (`tools/llm_eval.py`)."), "",
+             ("Each export through `qnnpasses llm` (static cache outside the graph, htp-llm applied). Placement and "
+              "composed QNN op counts come from the real HTP backend (fp16, one probe per graph); KV-cache bytes count "
+              "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·4 (float32 cache); "
+              "`analyze` is `qnnpasses analyze`'s figure for the same graph. The CPU check runs a prompt in padded "
+              "chunks and then decode steps against the original dynamic export."), "",
              "| export | context | prefill | graph | QNN partitions | CPU nodes | composed QNN ops | KV bytes | expected | analyze | CPU check max abs (logits / K,V) | weight sharing |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
@@ -141,8 +141,8 @@ def graphs_section(rows: list[dict[str, Any]]) -> str:
                 f"{verification['logits']:.2g} / {verification['kv']:.2g} | {row['weight_sharing']} |")
     probes = [(row["export"], row["shared_probe"]) for row in rows if row.get("shared_probe")]
     if probes:
-        lines += ["", "Weight-shared context (`ep.share_ep_contexts` + `enable_htp_weight_sharing`), probed in a child "
-                      "process before it is used:", ""]
+        lines += ["", ("Weight-shared context (`ep.share_ep_contexts` + `enable_htp_weight_sharing`), probed in a "
+                       "child process before it is used:"), ""]
         for export, probe in probes:
             outcome = "runs" if probe["run"] else f"falls back to separate contexts: {probe.get('error')}"
             lines.append(f"- {export}: shared compile {'ok' if probe['compile'] else 'failed'}; {outcome}")
