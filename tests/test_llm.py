@@ -234,7 +234,7 @@ def _boundary_qparams(path, tensor: str, op: str):
 def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
     calib = tmp_path / "tokens.npz"
     np.savez(calib, input_ids=np.random.default_rng(4).integers(0, 256, (4, 40)))
-    manifest = built("llama_gqa_kv_dyn_ts", precision="w8a16", calib=str(calib), compile=False, probe=False)
+    manifest = built("llama_gqa_kv_dyn_ts", precision="w8a16", calib=str(calib), compile=False, probe=HTP)
     assert manifest["precision"] == "w8a16"
     prefill, decode = (part_paths(manifest, g, compiled=False)[0] for g in ("prefill", "decode"))
     roles = manifest["graphs"]["decode"]["roles"]
@@ -244,6 +244,10 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
         assert written is not None and written == read == _boundary_qparams(decode, new, "DequantizeLinear")
     report = json.loads((manifest_dir(manifest) / "report.json").read_text())
     assert report["quantized_verification"]["top1"] >= 0.9  # random weights, CPU
+    if HTP:  # integer mode, boundary Q/DQ on the HTP too: one partition, no CPU node (fallback disabled)
+        for graph_name in ("prefill", "decode"):
+            part = report["htp"][graph_name]["parts"][0]
+            assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), part
 
 
 def test_max_part_bytes_budget_gives_parts_within_it(built):
