@@ -9,7 +9,8 @@ them, and on the HTP each one left is one more QNN op per convolution.
 
 Produces ``Conv(x, W * s, b * s + t)``; repeats until nothing folds (``Conv -> BN -> Mul``).
 Safe because ``(x * W + b) * s + t == x * (W * s) + (b * s + t)`` per output channel; only
-float rounding of the folded weights differs.
+float rounding of the folded weights differs (computed in float64, rounded once), which is
+why the contract leaves out the x1000 "extreme" verification inputs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import CASE_GIVEN, CASE_RANDOM, FOLDED, Pass, PassContext, PassResult, assumes, register_pass
 from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, replace_all_uses, single_consumer
 
 
@@ -92,7 +93,9 @@ def fold_once(ir: IRModel, ctx: PassContext) -> int:
 class FoldConvAffine(Pass):
     name = "fold-conv-affine"
     summary = "Conv -> BatchNormalization / Mul(const) / Add(const) per channel => one Conv"
-    contract = EXACT
+    contract = assumes("inputs at the scale the model works at: the folded weights are rounded once to float32, "
+                       "which inputs x1000 (the 'extreme' verification case) amplify past the tight tolerance "
+                       "(seen: 2.7e-7 on random inputs, 1.8e-3 x1000 on a DBNet)", holds_on=(CASE_RANDOM, CASE_GIVEN))
     requires = frozenset({FOLDED})
     ensures = frozenset()
 
