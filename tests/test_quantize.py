@@ -265,3 +265,20 @@ def test_sensitivity_ranks_layers_and_raising_them_helps(llama, tmp_path):
     assert first["raised"] == 0 and last["raised"] == 8 and not last["met"]  # 99.9% is out of reach: budget used
     assert last["cosine"] > first["cosine"] and last["top1"] > first["top1"]
     assert list(search.chosen.raised) == list(search.sqnr)[:8]
+
+
+@requires_htp
+def test_block_wise_int4_runs_on_htp_and_beats_per_channel(llama, tmp_path):
+    """int4 weights with 32-row blocks (DequantizeLinear block_size, opset 21): one HTP partition, no CPU
+    node, and closer to fp32 than per-channel int4 (measured cosine 0.99554 vs 0.99467 on 4 samples)."""
+    _, calib, evals = llama
+    scores = {}
+    for block in (None, 32):
+        out = tmp_path / f"b{block}.qdq.onnx"
+        result = quantize_model(fixture_path(LLAMA), calib, out,
+                                PrecisionPolicy(weights="int4", weight_scales="mse", block_size=block))
+        assert result.weights["blocked"] == (14 if block else 0)  # lm_head (int8) stays per channel
+        ev = evaluate(fixture_path(LLAMA), out, CalibrationData(evals, model_inputs(load_model(out))), limit=4)
+        assert ev.qnn_partitions == 1 and ev.cpu_nodes == []
+        scores[block] = ev.headline.cosine
+    assert scores[32] > scores[None] > 0.99
