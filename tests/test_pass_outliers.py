@@ -88,3 +88,21 @@ def test_hadamard_orders_of_real_models(n):
 def test_rotation_without_a_hadamard_is_still_orthogonal():
     r, what = rotation(896)  # 128 x 7: no Hadamard of order 896 is built here
     assert "random" in what and np.allclose(r @ r.T, np.eye(896), atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_ts", "qwen2_dynamo"])
+def test_smooth_mlp_migrates_scales_exactly(name, tmp_path):
+    from qnnpasses.backends.cpu import make_inputs
+
+    path = _prepared(name, tmp_path)
+    ir0 = load_model(path)
+    samples = [make_inputs(ir0, seed=s) for s in range(2)]
+    ir, record = run_strictly(path, "smooth-mlp", calibration=samples)
+    layers = sum(n.op == "RMSNormalization" for n in ir.graph.nodes) // 2
+    assert record.status == "changed" and record.stats["smoothed"] == layers
+    assert record.verification["ok"]
+
+
+def test_smooth_mlp_needs_calibration(tmp_path):
+    ir, record = run_strictly(_prepared("llama_gqa_ts", tmp_path), "smooth-mlp")
+    assert record.status == "unchanged" and record.stats["smoothed"] == 0
