@@ -34,7 +34,7 @@ from qnnpasses.passes.fold._constants import FoldReport, fold_graph
 
 from qnnpasses.ir.checks import check_model
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import DIMS_BOUND, EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
 
 SHAPE_OPS = ("Shape", "ConstantOfShape", "Range", "Size")
 
@@ -44,7 +44,7 @@ class Simplify(Pass):
     name = "simplify"
     summary = "constant & shape-arithmetic folding, Constant->initializer, no-op and dead-code removal"
     contract = EXACT
-    requires = frozenset()
+    requires = frozenset({DIMS_BOUND})  # ordering only: Shape of a symbolic dim cannot fold
     ensures = frozenset({FOLDED})
 
     @dataclass

@@ -1,5 +1,5 @@
 """What the contrib-op lowerings share: emitting standard ops on dynamic shapes, and the
-property that says onnxruntime's contrib ops are gone.
+property they ensure (``contrib-lowered``, declared in the core: ``fix-shapes`` requires it).
 
 The lowerings run before ``fix-shapes`` (contrib ops stop shape inference, so nothing
 downstream of them has a shape until they are lowered): what they emit must work on
@@ -13,27 +13,15 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import PassContext, register_property
+from qnnpasses.passmanager.api import PassContext
 from qnnpasses.ir.shapes import is_static
 from qnnpasses.passmanager.rewrite import constant_value, make_constant, make_node, producer
 
 MICROSOFT = "com.microsoft"
-#: contrib ops the lowering family rewrites (the norm family does the SimplifiedLayerNormalizations)
-LOWERED_OPS = frozenset({"GroupQueryAttention", "RotaryEmbedding", "MatMulNBits"})
 
 
 def is_contrib(node: gs.Node, op: str) -> bool:
     return node.op == op and (node.domain or "") == MICROSOFT
-
-
-def _contrib_left(ir: IRModel) -> str:
-    left = sorted({n.op for n in ir.graph.nodes if (n.domain or "") == MICROSOFT and n.op in LOWERED_OPS})
-    return f"onnxruntime contrib ops left: {', '.join(left)}" if left else ""
-
-
-CONTRIB_LOWERED = register_property(
-    "contrib-lowered", "onnxruntime's GroupQueryAttention, RotaryEmbedding and MatMulNBits lowered to standard ONNX",
-    _contrib_left).name
 
 
 class Emitter:

@@ -8,6 +8,11 @@ Produces ``Not(Equal(x, 0))``, which the HTP runs.
 
 Why safe: ONNX defines a cast to bool as ``x != 0``; NaN (not equal to 0) gives true in both,
 and -0.0 equals 0 in both.
+
+Where: after ``simplify`` (``requires folded``).  It matches by the input's dtype, which is known
+only once shapes and types are inferred through the whole graph (contrib ops lowered, shapes
+fixed), and a cast of a constant is folded there rather than lowered.  Nothing depends on it,
+and it depends on nothing else: next to ``lower-int64`` in htp-llm is only the tie-break list.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 import onnx
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish, make_constant, make_node
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32))
@@ -27,6 +32,7 @@ class LowerCastToBool(Pass):
     name = "lower-cast-to-bool"
     summary = "Cast(x float, to=bool) => Not(Equal(x, 0)) (the HTP rejects the cast)"
     contract = EXACT
+    requires = frozenset({FOLDED})
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         lowered = 0

@@ -31,12 +31,12 @@ import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib, last_dim
+from qnnpasses.passes.lowering._contrib import Emitter, is_contrib, last_dim
 from qnnpasses.passes.lowering._kv_io import declare_kv_dims, find_kv_interface, planned_kv_shapes
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.ir.shapes import is_static
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, assumes, register_pass
+from qnnpasses.passmanager.api import CONTRIB_LOWERED, Pass, PassContext, PassResult, assumes, register_pass
 from qnnpasses.passmanager.rewrite import finish, producer
 
 MASK_VALUE = -1.0e4  # what attention-cleanup makes every mask use (see its docstring)

@@ -33,10 +33,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
-from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib
+from qnnpasses.passes.lowering._contrib import Emitter, is_contrib
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, approximate, register_pass
+from qnnpasses.passmanager.api import CONTRIB_LOWERED, Pass, PassContext, PassResult, approximate, register_pass
 from qnnpasses.passmanager.rewrite import constant_value, finish
 
 DQ_BLOCK_OPSET = 21

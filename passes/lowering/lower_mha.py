@@ -21,11 +21,11 @@ import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib, last_dim
+from qnnpasses.passes.lowering._contrib import Emitter, is_contrib, last_dim
 from qnnpasses.passes.lowering._kv_io import declare_kv_dims, find_kv_interface, planned_kv_shapes
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import CONTRIB_LOWERED, EXACT, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish
 
 

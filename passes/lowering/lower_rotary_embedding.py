@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.lowering._contrib import CONTRIB_LOWERED, Emitter, is_contrib, last_dim
+from qnnpasses.passes.lowering._contrib import Emitter, is_contrib, last_dim
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.ir.shapes import is_static
-from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import CONTRIB_LOWERED, EXACT, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish
 
 

@@ -23,7 +23,8 @@ import onnx_graphsurgeon as gs
 from qnnpasses.passes.norm._opset import fuse_at_opset
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass, register_property
+from qnnpasses.passmanager.api import (CONTRIB_LOWERED, EXACT, Pass, PassContext, PassResult, register_pass,
+                                       register_property)
 from qnnpasses.passmanager.rewrite import make_node
 
 RMS_OPSET = 23
@@ -54,7 +55,7 @@ class LowerSimplifiedNorm(Pass):
     name = "lower-simplified-norm"
     summary = "(Skip)SimplifiedLayerNormalization (onnxruntime) => [Add(x, skip) ->] RMSNormalization"
     contract = EXACT
-    ensures = frozenset({ORT_NORMS_LOWERED})
+    ensures = frozenset({ORT_NORMS_LOWERED, CONTRIB_LOWERED})  # onnxruntime-only ops gone: fix-shapes after it
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         found = [n for n in ir.graph.nodes if _kind(n)]

@@ -27,7 +27,16 @@ from qnnpasses.passes.shapes._symbols import SymbolTable, decode_step, resolve_i
 from qnnpasses.ir.checks import infer_proto
 from qnnpasses.ir.model import IRModel
 from qnnpasses.ir.shapes import DEFAULT_BATCH, DEFAULT_PAST, DEFAULT_SEQUENCE, is_static
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, STATIC_SHAPES, changes_interface, register_pass
+from qnnpasses.passmanager.api import (
+    CONTRIB_LOWERED,
+    DIMS_BOUND,
+    STATIC_SHAPES,
+    Pass,
+    PassContext,
+    PassResult,
+    changes_interface,
+    register_pass,
+)
 
 
 @register_pass
@@ -35,8 +44,10 @@ class FixShapes(Pass):
     name = "fix-shapes"
     summary = "symbolic input/output dims (batch, sequence, past, 'past + 1') -> static dims"
     contract = changes_interface("symbolic input/output dims become the static dims of its options")
-    requires = frozenset()
-    ensures = frozenset({STATIC_SHAPES})
+    # after the onnxruntime-op lowerings: shape inference stops at contrib ops, and what they
+    # become must get its static shapes with the rest
+    requires = frozenset({CONTRIB_LOWERED})
+    ensures = frozenset({STATIC_SHAPES, DIMS_BOUND})
 
     @dataclass
     class Options:

@@ -235,6 +235,13 @@ ATTENTION_REWRITTEN = register_property(
 NORMS_FUSED = register_property("norms-fused", "RMSNorm/LayerNorm subgraphs fused into single ops").name
 GELU_FUSED = register_property("gelu-fused", "GeLU subgraphs fused into Gelu").name
 NORMS_FINAL = register_property("norms-final", "normalizations in the form the HTP runs (fused, decomposed or fp16-safe)").name
+# Ordering only (no checker: a model may keep what a lowering could not handle, and the passes
+# that require these still do their part; the lowerings and fix-shapes note what is left).
+CONTRIB_LOWERED = register_property(
+    "contrib-lowered", "onnxruntime-only ops (com.microsoft contrib ops, SimplifiedLayerNormalization) lowered to "
+    "standard ONNX, so shape inference follows the whole graph").name
+DIMS_BOUND = register_property(
+    "dims-bound", "symbolic input dims bound to values (fix-shapes), so shape arithmetic can fold").name
 
 
 @dataclass

@@ -77,20 +77,22 @@ def pipeline_text(order: list[str], spelled: dict[str, str]) -> str:
 
 
 # htp-llm, derived: the declarations (requires/ensures, see `qnnpasses passes`) fix what must
-# precede what -- simplify before the fusions, which match on initializers and folded shapes;
+# precede what -- the onnxruntime-op lowerings (model-builder exports) before fix-shapes, since
+# shape inference stops at contrib ops and what they become must be shaped with the rest
+# (contrib-lowered); fix-shapes before simplify, which cannot fold the Shape of a symbolic dim
+# (dims-bound); simplify before the fusions, which match on initializers and folded shapes;
 # gathernd before lower-int64 (GatherND takes only int64 indices); finite masks before the
 # grouped-attention rewrites; the attention rewrites before layout, which rewrites the
 # reshapes they match; fusions before decompositions, so nothing fused is undone; fp16-safety
 # after the norms are final, for whatever stayed decomposed.  This list only breaks ties.
-# Hard rules: fix-shapes first (every later pass sees static shapes), cleanup last.
-# onnxruntime contrib ops (model-builder exports) are lowered before fix-shapes: shape
-# inference stops at them, and what they become must be shaped with the rest
+# Hard rule: cleanup last.
 CONTRIB_LOWERINGS = ("lower-simplified-norm", "lower-gqa", "lower-rotary-embedding", "lower-mha", "lower-matmulnbits")
 HTP_LLM_PASSES = [
-    *CONTRIB_LOWERINGS, "fix-shapes", "simplify", "fold-conv-affine", "gathernd", "lower-int64", "lower-cast-to-bool", "attention-cleanup", "gqa-broadcast", "fuse-rmsnorm",
-    "fuse-layernorm", "decompose-layernorm", "fuse-gelu", "decompose-gelu", "fp16-safety", "rotary", "layout", "cleanup",
+    *CONTRIB_LOWERINGS, "fix-shapes", "simplify", "fold-conv-affine", "gathernd", "lower-int64", "lower-cast-to-bool",
+    "attention-cleanup", "gqa-broadcast", "fuse-rmsnorm", "fuse-layernorm", "decompose-layernorm", "fuse-gelu",
+    "decompose-gelu", "fp16-safety", "rotary", "layout", "cleanup",
 ]
-HTP_LLM_FIRST, HTP_LLM_LAST = (*CONTRIB_LOWERINGS, "fix-shapes"), ("cleanup",)
+HTP_LLM_LAST = ("cleanup",)
 HTP_LLM_SPELLED = {"layout": "repeat{max=3}(layout,simplify)", "mha-to-gqa": "mha-to-gqa{groups=2}"}
 
 
@@ -103,7 +105,7 @@ def htp_llm_text(extra: dict[str, str] | None = None) -> str:
     names = list(HTP_LLM_PASSES)
     for name, after in (extra or {}).items():
         names.insert(names.index(after) + 1, name)
-    return pipeline_text(derive_order(names, first=HTP_LLM_FIRST, last=HTP_LLM_LAST), HTP_LLM_SPELLED)
+    return pipeline_text(derive_order(names, last=HTP_LLM_LAST), HTP_LLM_SPELLED)
 
 
 register_pipeline(
