@@ -11,6 +11,11 @@ a child process; if that child fails in any way, the shared files are deleted an
 is compiled to its own context (``separate``, binary embedded).  The outcome and the reason
 go to the manifest and the report.
 
+Sessions that compile or probe a graph run with onnxruntime's graph optimizations disabled:
+the HTP gets exactly the graph ``htp-llm`` wrote.  (onnxruntime's MatMulAddFusion otherwise
+fuses a projection and a residual Add whose other operand is a graph input -- the first layer
+of a part -- into a Gemm the HTP rejects.)
+
 Quantized (QDQ) graphs are compiled in integer precision with
 ``offload_graph_io_quantization=0``: the HTP then also takes the graph-boundary Q/DQ nodes
 (onnxruntime otherwise runs them on the CPU), so the compiled model is one EPContext node.
@@ -77,7 +82,7 @@ def _child(argv: list[str] | None = None) -> int:
         if args.mode == "compile":
             config = {**shared, "ep.context_enable": "1", "ep.context_file_path": compiled,
                       "ep.context_embed_mode": "1" if args.separate else "0"}
-            htp_session(model, fp16=args.fp16, extra_options=options, session_config=config)
+            htp_session(model, fp16=args.fp16, extra_options=options, session_config=config, optimize=False)
         elif args.mode == "run":
             result["stage"] = "session"
             write()
@@ -91,7 +96,7 @@ def _child(argv: list[str] | None = None) -> int:
             work.mkdir(parents=True, exist_ok=True)
             options = {**base, "dump_json_qnn_graph": "1", "json_qnn_graph_dir": str(work / "qnn_graph")}
             sess = htp_session(model, fp16=args.fp16, extra_options=options, disable_cpu_fallback=True, profiling=True,
-                               profile_prefix=str(work / "profile"))
+                               profile_prefix=str(work / "profile"), optimize=False)
             sess.run(None, _zero_inputs(sess))
             partitions, cpu = parse_profile(sess.end_profiling())
             result.update(qnn_partitions=partitions, cpu_nodes=len(cpu),

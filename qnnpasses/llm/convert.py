@@ -228,7 +228,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         ir, facts = static_graph(model, roles, tokens, past)
         irs[name] = ir
         graph_role = graph_roles(ir, roles)
-        path = save_model(ir, stage / f"{name}.onnx", external_data=False)
+        path = save_model(ir, stage / f"{name}.onnx")
         graphs[name] = {"tokens": tokens, "past": past,
                         "parts": [{"onnx": path.name, "compiled": None,
                                    "inputs": [t.name for t in ir.graph.inputs], "outputs": [t.name for t in ir.graph.outputs]}],
@@ -240,6 +240,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         "precision": options.precision, "kv_layout": {"key": "BHSD", "value": "BHSD"},
         "kv_dtype": graphs["decode"]["io"][roles.past_key[0]]["dtype"], "weight_sharing": "none",
         "graphs": graphs, "source_roles": _source_roles(roles),
+        # how the graphs were compiled and probed on the HTP (see qnnpasses.llm.compile)
+        "session": {"graph_optimization": "disable_all"},
     }
     report["verification"] = _verify(stage, manifest, model, options)
     if options.precision != "fp16":
