@@ -195,6 +195,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
 
         (stage / "report.md").write_text(report_markdown(manifest, report))
         out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_previous_pair(out_dir)
         for path in sorted(stage.iterdir()):
             target = out_dir / path.name
             if target.exists():
@@ -204,6 +205,17 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
         shutil.rmtree(stage, ignore_errors=True)
     manifest["dir"] = str(out_dir)
     return manifest
+
+
+def _remove_previous_pair(out_dir: Path) -> None:
+    """Files an earlier ``qnnpasses llm`` wrote into ``out_dir`` (it has an llm.json): no stale parts stay."""
+    if not (out_dir / "llm.json").is_file():
+        return
+    for pattern in ("prefill*.onnx*", "decode*.onnx*", "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
+                    "report.md"):
+        for path in out_dir.glob(pattern):
+            if path.is_file():
+                path.unlink()
 
 
 def _require_precision(precision: str) -> None:
