@@ -126,19 +126,30 @@ def graphs_section(rows: list[dict[str, Any]]) -> str:
               "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·4 (float32 cache); "
               "`analyze` is `qnnpasses analyze`'s figure for the same graph. The CPU check runs a prompt in padded "
               "chunks and then decode steps against the original dynamic export."), "",
-             "| export | context | prefill | graph | QNN partitions | CPU nodes | composed QNN ops | KV bytes | expected | analyze | CPU check max abs (logits / K,V) | weight sharing |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             ("| export | context | prefill | graph | parts | QNN partitions | CPU nodes | composed QNN ops | KV bytes | "
+              "expected | analyze | CPU check max abs (logits / K,V) | weight sharing |"),
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
         facts, verification = row["htp"], row["verification"]
         for graph in ("prefill", "decode"):
             entry = facts[graph]
-            part = entry["parts"][0]
+            parts = entry["parts"]
+            partitions = sum(p.get("qnn_partitions") or 0 for p in parts)
+            cpu = sum(p.get("cpu_nodes") or 0 for p in parts)
             analyze = (entry.get("analyze") or {}).get("bytes_fp32")
             lines.append(
-                f"| {row['export']} | {row['context']} | {row['prefill']} | {graph} | {part.get('qnn_partitions', '-')} | "
-                f"{part.get('cpu_nodes', '-')} | {entry.get('qnn_ops', '-')} | {entry['kv_cache_bytes']:,} | "
-                f"{facts['expected_kv_cache_bytes']:,} | {analyze:,} | "
+                f"| {row['export']} | {row['context']} | {row['prefill']} | {graph} | {len(parts)} | {partitions} | "
+                f"{cpu} | {entry.get('qnn_ops', '-')} | {entry['kv_cache_bytes']:,} | "
+                f"{facts['expected_kv_cache_bytes']:,} | {f'{analyze:,}' if analyze else '-'} | "
                 f"{verification['logits']:.2g} / {verification['kv']:.2g} | {row['weight_sharing']} |")
+    split = [row for row in rows if row.get("parts", 1) > 1]
+    if split:
+        lines += ["", ("Parts (cut at residual-stream boundaries, balanced by weight bytes; each part one QNN "
+                       "partition, chained by tensor name; `analyze` sizes whole graphs only):"), ""]
+        for row in split:
+            for graph, sizes in row["part_weight_bytes"].items():
+                lines.append(f"- {row['export']}, {graph}: weight bytes per part "
+                             + ", ".join(f"{s:,}" for s in sizes if s is not None))
     probes = [(row["export"], row["shared_probe"]) for row in rows if row.get("shared_probe")]
     if probes:
         lines += ["", ("Weight-shared context (`ep.share_ep_contexts` + `enable_htp_weight_sharing`), probed in a "
