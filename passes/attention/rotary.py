@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.checks import refresh_shapes
+from qnnpasses.ir.checks import fill_unknown_shapes
 from qnnpasses.ir.index_map import MOVERS, apply_op
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import ATTENTION_REWRITTEN, EXACT, FOLDED, Pass, PassContext, PassResult, register_pass
@@ -180,5 +180,5 @@ class Rotary(Pass):
             stats["rotations"] += 1
         if stats["rotations"]:
             finish(ir)
-            refresh_shapes(ir)
+            fill_unknown_shapes(ir)
         return PassResult(changed=stats["rotations"] > 0, stats=stats, notes=notes)

@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.passes.layout._chains import emit_form
 from qnnpasses.passes.layout._forms import Form, cheapest_form
 
-from qnnpasses.ir.checks import refresh_shapes
+from qnnpasses.ir.checks import fill_unknown_shapes
 from qnnpasses.ir.index_map import index_map
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, FOLDED, NO_GATHERND, Pass, PassContext, PassResult, register_pass
@@ -100,5 +100,5 @@ class GatherNDToGather(Pass):
                 notes.append(f"{node.name}: {why} form {'->'.join(op for op, _ in form.steps) or 'nothing'}")
         if stats["rewritten"]:
             finish(ir)
-            refresh_shapes(ir)
+            fill_unknown_shapes(ir)
         return PassResult(changed=stats["rewritten"] > 0, stats=stats, notes=notes)

@@ -37,7 +37,7 @@ from qnnpasses.passes.layout._weights import (
     rewrite_weight_transposes,
 )
 
-from qnnpasses.ir.checks import refresh_shapes
+from qnnpasses.ir.checks import fill_unknown_shapes
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
     ATTENTION_REWRITTEN,
@@ -104,9 +104,9 @@ class Layout(Pass):
 
     @staticmethod
     def _apply(name, rewrite, ir: IRModel, ctx: PassContext, stats: dict, notes: list) -> int:
-        """One family over the whole graph; shapes are re-inferred after it changed anything."""
+        """One family over the whole graph; shapes are re-inferred after it changed anything, if it left any unknown."""
         count = rewrite(ir, ctx, stats, notes)
         if count:
             finish(ir)
-            refresh_shapes(ir)
+            fill_unknown_shapes(ir)
         return count

@@ -168,13 +168,29 @@ def refresh_shapes(ir: IRModel) -> None:
     _apply_inferred(ir, onnx.shape_inference.infer_shapes(stubs_as_inputs(proto, copy=False), data_prop=True))
 
 
+def fill_unknown_shapes(ir: IRModel) -> bool:
+    """:func:`refresh_shapes` only when a computed tensor has no dtype or shape; returns whether it ran.
+
+    For a rewrite that gives every tensor it creates its dtype and shape (``rewrite.emit``,
+    ``make_node(..., dtype=, shape=)``) and replaces tensors by equal-shaped ones, whole-graph
+    inference would change nothing: on every fixture the htp-llm result is the same with it
+    and without it.  The pass manager's check after the pass re-infers everything anyway.
+    """
+    for node in ir.graph.nodes:
+        for tensor in node.outputs:
+            if isinstance(tensor, gs.Variable) and tensor.name and (tensor.dtype is None or tensor.shape is None):
+                refresh_shapes(ir)
+                return True
+    return False
+
+
 def _apply_inferred(ir: IRModel, inferred: onnx.ModelProto) -> None:
     infos = {vi.name: vi for vi in inferred.graph.value_info}
     graph_io = {t.name for t in ir.graph.inputs} | {t.name for t in ir.graph.outputs}
     dtypes: dict[int, object] = {}
     seen: set[int] = set()
     for node in ir.graph.nodes:  # every intermediate tensor, without building graph.tensors()'s name map
-        for tensor in (*node.inputs, *node.outputs):
+        for tensor in node.outputs:  # what inference can type: computed tensors
             if id(tensor) in seen or not isinstance(tensor, gs.Variable) or not tensor.name or tensor.name in graph_io:
                 continue
             seen.add(id(tensor))
