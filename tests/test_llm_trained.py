@@ -2,7 +2,14 @@
 cache (``tools/trained_fixtures.py``, ``kv_ts``) -> ``qnnpasses llm`` (static prefill + decode
 pair) -> greedy generation on the HTP in fp16, against the original export run in fp32 on
 onnxruntime CPU with a growing cache.  Its massive activations (|h| ~ 25,800) are what break
-fp16 on the HTP; the full figures (4 prompts, both exporters, w8a16) are in docs/llm.md."""
+fp16 on the HTP; the full figures (4 prompts, both exporters, w8a16) are in docs/llm.md.
+
+Greedy decoding of real text meets fp32 near-ties often (top-2 logit margins of 0.001-0.03
+where fp16's spacing at the top logit is ~0.016), and no fp16 run can be expected to break those
+ties as fp32 does (docs/llm.md lists the margin at every token that differs).  The prompt here
+is one whose fp32 continuation is decided everywhere (the test checks that premise on the CPU),
+so the issue's bars apply to it unchanged.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ import trained_fixtures as tf
 
 pytestmark = [pytest.mark.trained, requires_htp]
 
-CONTEXT, PREFILL, PROMPT_TOKENS, NEW = 64, 16, 16, 32
+CONTEXT, PREFILL, NEW = 64, 16, 32
+WINDOW, START, PROMPT_TOKENS = 0, 32, 16  # eval window 0, tokens 32..47: fp32 top-2 margins >= 0.1
+DECIDED = 0.1  # fp32 top-1 minus top-2 logit above which fp16 must agree
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +46,28 @@ def smollm2_pair(tmp_path_factory):
     # the session on the .onnx graphs prepares them for the HTP exactly as compiling does
     build(export, out, context=CONTEXT, prefill=PREFILL, compile=False, probe=False)
     with np.load(tf.DEFAULT_CACHE / "smollm2_135m.eval.npz") as data:
-        window = data["input_ids"][0]
-    return export, out, window
+        prompt = data["input_ids"][WINDOW, START:START + PROMPT_TOKENS].tolist()
+    return export, out, prompt
 
 
 def test_smollm2_pair_generates_the_originals_tokens_on_the_htp_fp16(smollm2_pair):
     from qnnpasses.llm.reference import ReferenceModel, leading_matches
     from qnnpasses.llm.runner import Runner
 
-    export, pair, window = smollm2_pair
-    prompt = window[:PROMPT_TOKENS].tolist()
+    export, pair, prompt = smollm2_pair
     reference = ReferenceModel(export)
     expected = reference.generate(prompt, NEW)
+    fp32 = reference.logits(prompt + expected[:-1])
+    top2 = np.sort(fp32, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    assert margin.min() >= DECIDED  # the premise: fp32 is decided at every position
+
     runner = Runner(pair, on="htp")  # CPU fallback disabled: 0 CPU nodes or no session
     result = runner.generate(prompt, NEW, keep_logits=True)
     assert leading_matches(result.tokens, expected) >= 30, (result.tokens, expected)
     # teacher forcing: the original's sequence through the pair (when the generation fed exactly
     # that sequence, its own logits are the teacher-forced ones), argmax at every position
     forced = result.logits if result.tokens == expected else runner.score(prompt, expected[:-1])
-    want = reference.logits(prompt + expected[:-1]).argmax(-1)
-    agree = forced.argmax(-1) == want
+    agree = forced.argmax(-1) == fp32.argmax(-1)
     assert agree.size == PROMPT_TOKENS + NEW - 1
-    assert agree.mean() >= 0.98, np.flatnonzero(~agree)
+    assert agree.mean() >= 0.98, [(int(i), float(margin[i])) for i in np.flatnonzero(~agree)]

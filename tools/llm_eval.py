@@ -58,6 +58,17 @@ EXPORTER_NAMES = {"kv_ts": "TorchScript", "kv_dynamo": "dynamo"}
 # --------------------------------------------------------------------------- inputs
 
 
+def prompt_counts(text: str, exporters: list[str]) -> dict[str, int]:
+    """``--prompts``: one count for every export (``4``) or per export (``kv_ts:4,kv_dynamo:2``)."""
+    if ":" not in text:
+        return {e: int(text) for e in exporters}
+    counts = {k: int(v) for k, v in (part.split(":") for part in text.split(","))}
+    missing = [e for e in exporters if e not in counts]
+    if missing:
+        raise SystemExit(f"--prompts names no count for {missing}")
+    return counts
+
+
 def prompts(count: int, prompt_tokens: int, new_tokens: int) -> list[dict[str, list[int]]]:
     """``count`` held-out text windows, spread over the eval set: prompt, real continuation."""
     with np.load(tf.DEFAULT_CACHE / f"{MODEL}.eval.npz") as data:
@@ -94,6 +105,33 @@ def reference_run(export: Path, items: list[dict], new_tokens: int) -> list[dict
         out.append({"tokens": tokens, "greedy_top1": greedy.argmax(-1).tolist(), "text_top1": text.argmax(-1).tolist(),
                     "text_nll": am.token_nll(text, np.asarray(item["labels"])).tolist()})
     return out
+
+
+def near_ties(export: Path, items: list[dict], refs: list[dict]) -> list[dict[str, list[float]]]:
+    """Per prompt, at every position of the prompt + the original's tokens: fp32's top-1 minus
+    top-2 logit (how decided the original is) and fp16's spacing at its top logit."""
+    from qnnpasses.llm.reference import ReferenceModel
+
+    model, out = ReferenceModel(export), []
+    for item, ref in zip(items, refs):
+        logits = model.logits(item["prompt"] + ref["tokens"][:-1])
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        out.append({"margin": (top2[:, 1] - top2[:, 0]).tolist(), "top1": top2[:, 1].tolist(),
+                    "fp16_spacing": np.spacing(np.abs(top2[:, 1]).astype(np.float16)).astype(float).tolist()})
+    return out
+
+
+def divergences(run: dict[str, Any], items: list[dict], refs: list[dict], ties: list[dict]) -> None:
+    """Add, per prompt of a greedy run, the generated positions where the pair's argmax is not the
+    original's token, with fp32's top-2 margin there."""
+    for row, item, ref, tie in zip(run["prompts"], items, refs, ties):
+        base = len(item["prompt"]) - 1
+        row["differs_at"] = [{"token": j, "pair": int(a), "original": int(b), "fp32_margin": round(tie["margin"][base + j], 4),
+                              "fp32_top1": round(tie["top1"][base + j], 2), "fp16_spacing": tie["fp16_spacing"][base + j]}
+                             for j, (a, b) in enumerate(zip(row["pair_tokens"], ref["tokens"])) if a != b]
+    margins = [d["fp32_margin"] for row in run["prompts"] for d in row["differs_at"]]
+    run["differing_generated_positions"] = len(margins)
+    run["max_fp32_margin_where_differing"] = max(margins) if margins else None
 
 
 def leading_from_teacher_forcing(argmax: np.ndarray, prompt_len: int, tokens: list[int]) -> int:
@@ -221,7 +259,8 @@ def _name(exporter: str) -> str:
 def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     rows = [(f"| export | precision | fed through the pair | identical leading tokens (of {s['new_tokens']}) | "
-            "teacher-forced top-1 | perplexity (fp32) |"), "|---|---|---|---|---:|---|"]
+            "teacher-forced top-1 | generated tokens that differ: fp32 top-2 margin | perplexity (fp32) |"),
+            "|---|---|---|---|---:|---|---|"]
     for name, res in doc["exports"].items():
         for key, r in res["runs"].items():
             precision, mode = key.split(":")
@@ -236,9 +275,13 @@ def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
                 top1 += f" ({_pct(r['top1_generated'])} of the generated)"
             ppl = (f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f})"
                    if mode == "text" else "-")
-            rows.append(f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {ppl} |")
+            differ = "-"
+            if mode == "greedy":
+                margins = [f"{d['fp32_margin']:.3f}" for row in r["prompts"] for d in row.get("differs_at", [])]
+                differ = f"{len(margins)}: " + ", ".join(margins) if margins else "none"
+            rows.append(f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {differ} | {ppl} |")
         for precision in res.get("not_run", []):
-            rows.append(f"| {_name(name)} | {precision} | not measured in this run | | | |")
+            rows.append(f"| {_name(name)} | {precision} | not measured in this run | | | | |")
     return rows
 
 
@@ -284,8 +327,10 @@ def render(doc: dict[str, Any]) -> str:
              "(`python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo`), turned into "
              f"a static pair by `qnnpasses llm EXPORT -o DIR --context {s['context']} --prefill {s['prefill']}` and run "
              "by the runner of `qnnpasses generate` on onnxruntime-qnn's HTP backend (compiled context models, CPU "
-             f"fallback disabled; fp16 mode, integer mode for w8a16). {s['prompts']} prompts of {s['prompt_tokens']} "
-             "tokens of held-out English text; the yardstick is the original export in fp32 on onnxruntime CPU with "
+             "fallback disabled; fp16 mode, integer mode for w8a16). "
+             + "; ".join(f"{_name(e)} export: {c} prompts" for e, c in s["prompts"].items())
+             + f", each the first {s['prompt_tokens']} tokens of a held-out window of English text (windows spread "
+             "evenly over the eval set, `tools/english_text.py`); the yardstick is the original export in fp32 on onnxruntime CPU with "
              f"a growing cache, generating {s['new_tokens']} tokens greedily as Hugging Face does.")
     method = ("Every figure comes from teacher forcing: a sequence is fed through the pair as `generate` feeds it "
               "(the prompt in prefill chunks, then one decode call per token) and the pair's argmax is compared "
@@ -298,11 +343,23 @@ def render(doc: dict[str, Any]) -> str:
                f"teacher-forced top-1 ≥ {_pct(TARGETS['fp16_teacher_forced_top1'])} in fp16; teacher-forced top-1 ≥ "
                f"{_pct(TARGETS['w8a16_teacher_forced_top1'])} and perplexity within "
                f"{round(100 * (TARGETS['w8a16_perplexity_ratio'] - 1))}% of fp32 in w8a16.")
+    differing = [d for res in doc["exports"].values() for r in res["runs"].values()
+                 for row in r.get("prompts", []) for d in row.get("differs_at", [])]
+    ties = ""
+    if differing:
+        top = [abs(d["fp32_top1"]) for d in differing]
+        gap = [d["fp16_spacing"] for d in differing]
+        ties = ("Where the pair's greedy token differs from the original's, the table gives the original's own fp32 "
+                f"margin between its top two logits there. Its top logit is {min(top):.1f}–{max(top):.1f} at those "
+                f"positions, where consecutive fp16 values are {min(gap):.4f}–{max(gap):.4f} apart: a margin of a "
+                "few hundredths is within a few fp16 roundings of that one logit, before 30 layers of fp16 "
+                "arithmetic. After such a near-tie the pair continues a different, about equally likely text, and "
+                "every later token counts as not identical.")
     speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
              "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
     lines = ["# SmolLM2-135M as a prefill + decode pair on the HTP", "",
              (f"Written by `{('python tools/llm_eval.py ' + doc['command']).strip()}` ({doc['finished']}); every figure is in "
-             "`docs/llm.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method,
+             "`docs/llm.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method, "", ties,
              "", "## Graphs (fp16)", "", *_graph_rows(doc), "", "## Speed on this host", "", speed, "",
              *_speed_rows(doc)]
     sample = doc.get("sample")
@@ -349,7 +406,9 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
     if refs is None:
         return {"export": export.name, "builds": {}, "runs": {}, "reference_tokens": [],
                 "not_run": args.precisions.split(",")}
-    res: dict[str, Any] = {"export": export.name, "export_nodes": record["exports"][exporter]["nodes"],
+    ties = _cached(args.work / f"{exporter}_ties.json", {**key, "ties": 2}, args.reuse,
+                   lambda: near_ties(export, items, refs))
+    res: dict[str, Any] = {"export": export.name, "export_nodes": record["exports"][exporter]["nodes"], "prompts": items,
                            "reference_tokens": [r["tokens"] for r in refs], "builds": {}, "runs": {}, "not_run": []}
     for precision in args.precisions.split(","):
         out = args.work / f"{exporter}_{precision}"
@@ -376,8 +435,10 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             value = _cached(out / f"eval_{mode}.json", run_key, args.reuse, compute)
             if value is None:
                 res["not_run"].append(precision)
-            else:
-                res["runs"][f"{precision}:{mode}"] = value
+                continue
+            if mode == "greedy":
+                divergences(value, items, refs, ties)
+            res["runs"][f"{precision}:{mode}"] = value
     return res
 
 
@@ -387,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", default="fp16,w8a16")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--prefill", type=int, default=16)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", default="4", help="prompts per export: N, or per export as kv_ts:4,kv_dynamo:2")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--fp16-text", action="store_true", help="also score the real text in fp16 (perplexity)")
@@ -407,10 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.precisions.split(",")) - set(RUNS)
     if unknown:
         parser.error(f"unknown precisions {sorted(unknown)}")
-    items = prompts(args.prompts, args.prompt_tokens, args.new_tokens)
+    exporters = args.exporters.split(",")
+    counts = prompt_counts(args.prompts, exporters)
     record = tf.read_manifest(tf.DEFAULT_CACHE)["models"].get(MODEL, {})
     started = time.monotonic()
-    exports = {e: evaluate_export(e, args, items) for e in args.exporters.split(",")}
+    exports = {e: evaluate_export(e, args, prompts(counts[e], args.prompt_tokens, args.new_tokens)) for e in exporters}
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--reuse", "--render-only")]
     drop = {i for i, a in enumerate(shown) if a in ("--work", "--out")}
     command = " ".join(a for i, a in enumerate(shown) if i not in drop and i - 1 not in drop)
@@ -419,11 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": round(time.monotonic() - started, 1),
         "host": {"machine": platform.machine(), "python": platform.python_version()},
-        "settings": {k: getattr(args, k) for k in ("context", "prefill", "prompts", "prompt_tokens", "new_tokens")},
+        "settings": {**{k: getattr(args, k) for k in ("context", "prefill", "prompt_tokens", "new_tokens")},
+                     "prompts": counts},
         "model": {k: record.get(k) for k in ("distribution", "version", "layers", "heads", "kv_heads", "vocab", "params")},
-        "targets": TARGETS, "prompts": items, "exports": exports,
+        "targets": TARGETS, "prompts": prompts(max(counts.values()), args.prompt_tokens, args.new_tokens),
+        "exports": exports,
     }
-    doc["sample"] = sample_text(items, exports)
+    doc["sample"] = sample_text(exports)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
     args.out.with_suffix(".md").write_text(render(doc))
@@ -431,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def sample_text(items: list[dict], exports: dict[str, Any]) -> dict[str, Any] | None:
+def sample_text(exports: dict[str, Any]) -> dict[str, Any] | None:
     """The first prompt, the original's continuation and the pair's (up to its first difference
     the same tokens; after it, the pair's teacher-forced argmax)."""
     for name, res in exports.items():
@@ -439,7 +503,7 @@ def sample_text(items: list[dict], exports: dict[str, Any]) -> dict[str, Any] | 
         if run.get("prompts"):
             tok, row = tokenizer(), run["prompts"][0]
             same = row["identical_leading"]
-            return {"export": _name(name), "identical": same, "prompt": tok.decode(items[0]["prompt"]),
+            return {"export": _name(name), "identical": same, "prompt": tok.decode(res["prompts"][0]["prompt"]),
                     "reference": tok.decode(res["reference_tokens"][0]),
                     "htp": tok.decode(res["reference_tokens"][0][:same]) + ("" if same == len(res["reference_tokens"][0])
                                                                              else " [diverges here]")}
