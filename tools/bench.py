@@ -63,16 +63,25 @@ def node_count(model: Path) -> int:
     return len(onnx.load(str(model), load_external_data=False).graph.node)
 
 
-def timed(jobs: dict[str, tuple[str, list[str], Path]], repeat: int, timeout: float) -> dict[str, dict]:
+def timed(jobs: dict[str, tuple[str, list[str], Path]], repeat: int, timeout: float,
+          reports: dict | None = None) -> dict[str, dict]:
     """Median wall time of ``repeat`` fresh runs per job, interleaved round-robin so that
-    load from other processes on the machine spreads evenly over the tools compared."""
+    load from other processes on the machine spreads evenly over the tools compared.
+    ``reports`` maps a job to its report folder: its per-pass seconds are kept per run
+    (under ``"passes"``) and summarized by their median."""
+    reports = reports or {}
     runs: dict[str, list[Measurement]] = {key: [] for key in jobs}
+    passes: dict[str, list[dict[str, float]]] = {key: [] for key in reports}
     for _ in range(repeat):
         for key, (label, argv, out) in jobs.items():
             if runs[key] and not runs[key][-1].ok:
                 continue  # a failing tool fails again; do not wait for it twice
             runs[key].append(measure(label, argv, timeout=timeout, outputs=[out], log=out.with_suffix(".log")))
-    return {key: {"label": jobs[key][0], "ok": all(r.ok for r in rs), "error": next((r.error for r in rs if r.error), ""),
+            if key in reports and runs[key][-1].ok and (reports[key] / "report.json").exists():
+                passes[key].append(pass_seconds(reports[key]))
+    return {key: {"passes": {name: statistics.median(run.get(name, 0.0) for run in passes[key])
+                             for name in {n for run in passes.get(key, []) for n in run}},
+                  "label": jobs[key][0], "ok": all(r.ok for r in rs), "error": next((r.error for r in rs if r.error), ""),
                   "seconds": [round(r.seconds, 3) for r in rs], "median": statistics.median(r.seconds for r in rs),
                   "cpu_seconds": [round(r.extra.get("cpu_seconds", 0.0), 3) for r in rs],
                   "cpu_median": statistics.median(r.extra.get("cpu_seconds", 0.0) for r in rs),
@@ -163,7 +172,7 @@ def render(peers: dict, depth: dict, nodes: dict, per_pass: dict, figures: dict)
                      f"CPU {fmt_ratio(fig['cpu'])} {verdict(fig['cpu'], fig['target'])}")
     passes = sorted({p for n in layers for p in per_pass.get(n, {})}, key=lambda p: -per_pass.get(layers[-1], {}).get(p, 0.0))
     growth_nodes = nodes[layers[-1]] / nodes[layers[-2]] if len(layers) > 1 else 1.0
-    lines += ["", f"Seconds per pass (its graph check included; wall time of the run above), growth from {layers[-2] if len(layers) > 1 else '-'} "
+    lines += ["", f"Seconds per pass (its graph check included; wall time, median of the runs above), growth from {layers[-2] if len(layers) > 1 else '-'} "
                   f"to {layers[-1]} layers against the graph's {growth_nodes:.2f}x:", "",
               "| pass (s) | " + " | ".join(f"{n} layers" for n in layers) + " | growth last/prev |",
               "|---|" + "---:|" * (len(layers) + 1)]
@@ -209,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         if n != REFERENCE_LAYERS:
             jobs[n] = (f"htp-llm {n} layers", qnnpasses_argv(models[n], work / f"qp{n}.onnx", work / f"report{n}",
                                                              args.pipeline), work / f"qp{n}.onnx")
-    timings = timed(jobs, args.repeat, args.timeout)
+    timings = timed(jobs, args.repeat, args.timeout,
+                    reports={"qnnpasses" if n == REFERENCE_LAYERS else n: work / f"report{n}" for n in layers})
     peers = {k: v for k, v in timings.items() if isinstance(k, str)}
     depth = {n: timings["qnnpasses" if n == REFERENCE_LAYERS else n] for n in layers}
-    per_pass = {n: pass_seconds(work / f"report{n}") for n in layers if (work / f"report{n}" / "report.json").exists()}
+    per_pass = {n: depth[n]["passes"] for n in layers if depth[n]["passes"]}
     load_after = os.getloadavg()
     figures = summary(peers, depth) if "qnnpasses" in peers else {}
     table = render(peers, depth, nodes, per_pass, figures)

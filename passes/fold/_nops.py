@@ -25,8 +25,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.shapes import is_static
-from qnnpasses.passmanager.rewrite import can_replace, replace_all_uses
+from qnnpasses.passmanager.rewrite import can_replace, replace_all_uses, static_shape
 
 _SHAPE_PRESERVING_NOPS = frozenset({"Reshape", "Expand", "Squeeze", "Unsqueeze", "Flatten"})
 COMMUTATIVE = frozenset({"Add", "Mul", "And", "Or", "Xor", "Equal", "Max", "Min",
@@ -42,10 +41,6 @@ def _same_dtype(a: gs.Tensor, b: gs.Tensor) -> bool:
         return a.dtype == b.dtype
 
 
-def _static(shape) -> bool:
-    return shape is not None and all(is_static(d) for d in shape)
-
-
 def is_nop(node: gs.Node) -> bool:
     """True when the node's single output always equals its first input."""
     if not node.inputs or not node.inputs[0].name or len(node.outputs) != 1:
@@ -58,7 +53,7 @@ def is_nop(node: gs.Node) -> bool:
     if node.op == "Cast":
         return _same_dtype(src, out)
     if node.op in _SHAPE_PRESERVING_NOPS:
-        return _static(src.shape) and _static(out.shape) and list(src.shape) == list(out.shape) and _same_dtype(src, out)
+        return static_shape(src) is not None and static_shape(src) == static_shape(out) and _same_dtype(src, out)
     return False
 
 
@@ -78,8 +73,8 @@ def remove_nops(graph: gs.Graph, report) -> None:
 
 
 def _is_empty(tensor: gs.Tensor) -> bool:
-    shape = tensor.shape
-    return _static(shape) and 0 in list(shape)
+    shape = static_shape(tensor)
+    return shape is not None and 0 in shape
 
 
 def prune_empty_concat_inputs(graph: gs.Graph, report) -> None:
