@@ -255,6 +255,21 @@ def _input_absent(view: _NodeView, rule: Rule) -> str | None:
     return (rule.get("reason") or f"input {index} is not supported") if present else None
 
 
+def _output_absent(view: _NodeView, rule: Rule) -> str | None:
+    index = rule["index"]
+    present = index < len(view.outputs) and view.outputs[index] is not None
+    return (rule.get("reason") or f"output {index} is not supported") if present else None
+
+
+def _input_dtype_in(view: _NodeView, rule: Rule) -> str | None:
+    """Optional input ``index``, when present, has one of ``dtypes``."""
+    index = rule["index"]
+    t = view.inputs[index] if index < len(view.inputs) else None
+    if t is None or t.dtype is None or t.dtype in rule["dtypes"]:
+        return None
+    return rule.get("reason") or f"input {index} is {t.dtype}; HTP takes {', '.join(rule['dtypes'])}"
+
+
 def _input_rank(view: _NodeView, rule: Rule) -> str | None:
     rank = view.rank_of_input(rule.get("input", 0))
     if rank is None:
@@ -320,6 +335,8 @@ RULES: dict[str, RuleCheck] = {
     "not_all_constant": _not_all_constant,
     "static_shapes": _static_shapes,
     "input_absent": _input_absent,
+    "output_absent": _output_absent,
+    "input_dtype_in": _input_dtype_in,
     "input_rank": _input_rank,
 }
 

@@ -43,46 +43,55 @@ def _model_bytes(path: Path) -> int:
     return size + sum((path.parent / loc).stat().st_size for loc in locations if (path.parent / loc).exists())
 
 
-def deployed_view(model_path: str | os.PathLike, original_names: list[str]) -> DeployedView:
-    """onnxruntime's basic-level optimization of ``model_path`` (CPU provider, no run)."""
-    import onnxruntime as ort
+def onnxruntime_graph(model):
+    """A graphsurgeon graph with the shapes onnxruntime infers when it loads ``model`` (a
+    ModelProto): ONNX's per-op inference *without* data propagation.  Where that leaves a
+    shape unknown (a Reshape target computed from a Shape), the QNN EP answers "Cannot get
+    shape" -- although ``onnx.shape_inference`` with ``data_prop=True`` would know it."""
+    import onnx
+    import onnx_graphsurgeon as gs
 
-    from qnnpasses.errors import BadInputError
-    from qnnpasses.ir.load import load_model
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model)
+    del proto.graph.value_info[:]
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=False)
+    except Exception:  # noqa: BLE001 - inference trouble: check what the file declares
+        pass
+    return gs.import_onnx(proto)
+
+
+@dataclass
+class GraphView:
+    """What the checker reads: ``graph`` (and ``opset`` through it)."""
+
+    graph: object
+
+
+def deployed_view(model_path: str | os.PathLike, original_names: list[str], *, fold: bool = True) -> DeployedView:
+    """The graph the EP is handed: onnxruntime's basic-level optimization of ``model_path``
+    (CPU provider, no run) with ``fold``, else the graph as written, shaped as onnxruntime
+    shapes it."""
+    import onnx
+    import onnxruntime as ort
 
     path = Path(model_path)
     if _model_bytes(path) > MAX_VIEW_BYTES:
-        return DeployedView(None, note="model over 2 GiB: checked as written (onnxruntime folds constants on load)")
+        return DeployedView(None, note="model over 2 GiB: checked with the loader's shapes (onnxruntime folds "
+                                       "constants on load)")
+    if not fold:
+        return DeployedView(GraphView(onnxruntime_graph(onnx.load(path))))
     with tempfile.TemporaryDirectory(prefix="qnnpasses-deployed-") as tmp:
         out = Path(tmp) / "deployed.onnx"
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         so.optimized_model_filepath = str(out)
         so.log_severity_level = 3
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "deployed.data")
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         try:
             ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-            ir = load_model(out)
-        except (BadInputError, Exception) as exc:  # noqa: BLE001 - no view means: check as written
+            graph = onnxruntime_graph(onnx.load(out))
+        except Exception as exc:  # noqa: BLE001 - no view means: check as written
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             return DeployedView(None, note=f"onnxruntime could not optimize the model ({first[:120]}): checked as written")
-        ir.graph.nodes  # weights stay in the temporary folder: read what the checker needs now
-        _materialize(ir)
-    kept = {n.name for n in ir.graph.nodes}
-    return DeployedView(ir, folded=[name for name in original_names if name not in kept])
-
-
-def _materialize(ir) -> None:
-    """Read constants whose values live in the temporary folder (the checker reads only
-    small ones, but graphsurgeon constants must not point at deleted files)."""
-    import numpy as np
-    import onnx_graphsurgeon as gs
-
-    attribute_constants = [v for n in ir.graph.nodes for v in n.attrs.values() if isinstance(v, gs.Constant)]
-    for tensor in [*ir.graph.tensors().values(), *attribute_constants]:  # Constant nodes hold theirs in attrs
-        if isinstance(tensor, gs.Constant):
-            try:
-                tensor.values = np.array(tensor.values)  # a copy: a memory-mapped view would keep pointing at the deleted file
-            except Exception:  # noqa: BLE001 - an unreadable constant only loses its value
-                continue
+    kept = {n.name for n in graph.nodes}
+    return DeployedView(GraphView(graph), folded=[name for name in original_names if name not in kept])

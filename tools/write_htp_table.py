@@ -127,6 +127,74 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
 }
 
 
+# --------------------------------------------------------------------------- learned from ONNX's node tests
+# ``tools/check_agreement.py probe --suite node`` records the backend's verdict on every node of
+# every ONNX backend node test (``tools/probe_results/agreement_node.jsonl``).  Ops the build suite
+# never probed get a coarse entry from the single-node tests' verdicts (majority; no dtype or rank
+# detail beyond the global limit); constraints read from the failures are listed here with the
+# backend's reason.  Entries and rules from this source say so ("learned_from").
+NODE_TESTS = RESULTS / "agreement_node.jsonl"
+#: ONNX ops the EP builds with another op's builder (test_castlike_*: every one ran on the HTP).
+ALIASES = {"CastLike": "Cast"}
+NODE_TEST_RULES: dict[str, list[dict[str, Any]]] = {
+    "LayerNormalization": [
+        {"check": "output_absent", "index": i, "reason": "QNN LayerNorm only supports 1 output (Mean/InvStdDev unused)",
+         "source": ["node tests test_layer_normalization_*: cpu (QNN LayerNorm only support 1 output.)"]} for i in (1, 2)],
+    "Attention": [
+        {"check": "input_absent", "index": 6, "reason": "Attention: nonpad_kv_seqlen is not supported by QNN EP",
+         "source": ["node tests test_attention_4d_*nonpad*: cpu"]},
+        {"check": "input_dtype_in", "index": 3, "dtypes": ["float32", "float16"],
+         "reason": "Attention: boolean attn_mask is not supported; pre-convert to a float additive bias",
+         "source": ["node tests test_attention_4d_attn_mask_bool*: cpu"]},
+        {"check": "attr_in", "attr": "softmax_precision", "values": [None, 0],
+         "reason": "Attention: softmax_precision is not supported by QNN EP",
+         "source": ["node tests test_attention_24_qk_matmul_output_mode3_softmax_precision: cpu"]},
+    ],
+    "BatchNormalization": [
+        {"check": "constant_input", "index": i, "reason": "QNN BatchNorm doesn't support dynamic scale, bias, mean or var",
+         "source": ["node tests test_batchnorm_*: cpu (QNN BatchNorm doesn't support dynamic scale.)"]} for i in (1, 2, 3, 4)],
+}
+
+
+def _single_node_verdicts() -> dict[str, list[tuple[str, str, str]]]:
+    """op -> [(test id, verdict, reason)] over the single-node tests (the node is named <op>_0)."""
+    import json as _json
+
+    by_op: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
+    if not NODE_TESTS.exists():
+        return by_op
+    for line in NODE_TESTS.read_text().splitlines():
+        rec = _json.loads(line)
+        if rec["nodes_in_model"] != 1 or len(rec["nodes"]) != 1:
+            continue
+        (name, (verdict, reason)), = rec["nodes"].items()
+        by_op[name.rsplit("_", 1)[0]].append((rec["id"], verdict, reason))
+    return by_op
+
+
+def learn_from_node_tests(table: dict[str, Any]) -> None:
+    ops = table["ops"].setdefault("ai.onnx", {})
+    for alias, target in ALIASES.items():
+        if target in ops and alias not in ops:
+            ops[alias] = {**ops[target], "learned_from": f"node tests: built like {target} by the EP"}
+    for op, verdicts in sorted(_single_node_verdicts().items()):
+        if op in ops:
+            continue
+        htp = [v for v in verdicts if v[1] == "htp"]
+        other = [v for v in verdicts if v[1] != "htp"]
+        counts = dict(Counter(v[1] for v in verdicts))
+        if len(htp) >= len(other):
+            ops[op] = {"supported": True, "qnn_ops": [], "learned_from": "node tests (single-node verdicts, majority)",
+                       "probes": counts, "source": [f"{t}: {v}" for t, v, _ in verdicts[:4]]}
+        else:
+            reason = Counter(r for _, _, r in other).most_common(1)[0][0] or "rejected by the QNN EP"
+            ops[op] = {"supported": False, "reason": reason, "learned_from": "node tests (single-node verdicts, majority)",
+                       "probes": counts, "source": [f"{t}: {v}" for t, v, _ in verdicts[:4]]}
+    for op, rules in NODE_TEST_RULES.items():
+        if op in ops and ops[op].get("supported", True):
+            ops[op] = {**ops[op], "rules": [*ops[op].get("rules", []), *rules]}
+
+
 # --------------------------------------------------------------------------- loading & grouping
 
 
@@ -418,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         print(explain(records, args.explain))
         return 0
     table = build_table(records)
+    learn_from_node_tests(table)
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(json.dumps(table, indent=1) + "\n")
     misfits = fit(table, records)

@@ -36,14 +36,12 @@ def register(subparsers) -> None:
 def main(args) -> int:
     from qnnpasses.op_support.checker import check_graph, summarize
 
-    written = load_shaped(args)
-    ir, view = written, None
-    if not args.as_written:
-        from qnnpasses.op_support.deployed import deployed_view
+    from qnnpasses.op_support.deployed import deployed_view
 
-        with shaped_path(args) as path:
-            view = deployed_view(path, [n.name for n in written.graph.nodes])
-        ir = view.ir if view.ir is not None else written
+    written = load_shaped(args)  # validates the model (one-line errors) and applies --shape
+    with shaped_path(args) as path:  # shaped as onnxruntime shapes it: that is what the EP sees
+        view = deployed_view(path, [n.name for n in written.graph.nodes], fold=not args.as_written)
+    ir = view.ir if view.ir is not None else written
     results = check_graph(ir.graph, args.backend)
     static = inputs_static(ir)
     report: dict[str, Any] = {
@@ -52,17 +50,17 @@ def main(args) -> int:
                    "cause": cause(ir, r), "qnn_op": r.qnn_op, "notes": r.notes} for r in results],
         "summary": summarize(ir.graph, results).to_dict(),
     }
-    report["summary"]["view"] = "as written" if view is None or view.ir is None else "onnxruntime"
-    if view is not None:
-        report["folded"] = view.folded
-        if view.note:
-            report["summary"]["view_note"] = view.note
-        if view.ir is not None:
-            raw = check_graph(written.graph, args.backend)
-            report["summary"]["as_written"] = {"nodes": len(raw), "unsupported": sum(not r.supported for r in raw)}
+    report["summary"]["view"] = "as written" if args.as_written or view.ir is None else "onnxruntime"
+    report["folded"] = view.folded
+    if view.note:
+        report["summary"]["view_note"] = view.note
+    if view.folded:
+        with shaped_path(args) as path:
+            raw = check_graph(deployed_view(path, [], fold=False).ir.graph, args.backend)
+        report["summary"]["as_written"] = {"nodes": len(raw), "unsupported": sum(not r.supported for r in raw)}
     if args.on == "htp":
         with shaped_path(args) as path:
-            _add_real_placement(report, path, optimize=view is not None)
+            _add_real_placement(report, path, optimize=not args.as_written)
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
