@@ -106,3 +106,35 @@ def test_smooth_mlp_migrates_scales_exactly(name, tmp_path):
 def test_smooth_mlp_needs_calibration(tmp_path):
     ir, record = run_strictly(_prepared("llama_gqa_ts", tmp_path), "smooth-mlp")
     assert record.status == "unchanged" and record.stats["smoothed"] == 0
+
+
+@pytest.mark.trained
+def test_rotation_shrinks_the_trained_residual_stream(tmp_path):
+    """SmolLM2-135M: the residual stream entering the norms peaks at |h| ~ 2.6e4 in one channel; after
+    fold + rotate (576-point Hadamard) no channel of it exceeds a tenth of that, with the logits unchanged."""
+    import sys
+
+    from qnnpasses.passmanager.probe import intermediate_values
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import trained_fixtures as tf
+
+    try:
+        tf.ensure_built("smollm2_135m", "ts")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    ir = load_model(tf.DEFAULT_CACHE / "smollm2_135m_ts.onnx")
+    PassManager(get_pipeline("htp-llm")).run(ir)
+    sample = tf.graph_feeds(tf.load_npz(tf.DEFAULT_CACHE / "smollm2_135m.calib.npz"), 0, ["input_ids", "attention_mask"])
+
+    def peak(model) -> float:
+        names = [n.inputs[0].name for n in model.graph.nodes if n.op == "RMSNormalization"]
+        values = next(intermediate_values(model, names, [sample]))
+        return max(float(np.abs(v).max()) for v in values.values())
+
+    before = peak(ir)
+    path = save_model(ir, tmp_path / "smol.onnx")
+    rotated, record = run_strictly(path, "fold-norm-weights,rotate-residual", inputs=sample)
+    assert record.stats["rotated"] == 1 and record.stats["readers"] == 151  # 30 x (q, k, v, gate, up) + lm_head
+    after = peak(rotated)
+    assert before > 10_000 and after < before / 10, (before, after)

@@ -210,10 +210,18 @@ def test_mse_scales_and_blocks_lower_the_weight_error():
     assert errors["mse"] < 0.9 * errors["minmax"] and errors["mse-b32"] < errors["mse"]
 
 
-def test_int4_plan_keeps_the_lm_head_at_8_bit(llama):
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """8 calibration and 4 evaluation windows: enough for plan/encoding checks, quick to calibrate."""
+    tmp = tmp_path_factory.mktemp("small")
+    calib, evals = _data(tmp, LLAMA, calib=8, evals=4)
+    return tmp, calib, evals
+
+
+def test_int4_plan_keeps_the_lm_head_at_8_bit(small):
     from qnnpasses.quant import precision_policy
 
-    tmp, calib, _ = llama
+    tmp, calib, _ = small
     out = tmp / "w4.qdq.onnx"
     result = quantize_model(fixture_path(LLAMA), calib, out, precision_policy("w4a16", outliers=""))
     types = _dq_weight_types(out)
@@ -226,12 +234,12 @@ def test_int4_plan_keeps_the_lm_head_at_8_bit(llama):
         PrecisionPolicy(weights="int4", block_size=24)
 
 
-def test_shared_plan_gives_shared_tensors_one_encoding(llama, tmp_path):
+def test_shared_plan_gives_shared_tensors_one_encoding(small, tmp_path):
     """Two graphs calibrated on different data: every tensor they share gets the union range."""
     from qnnpasses.quant import quantize_graphs
     from qnnpasses.quant.overrides import encodings_from_qdq
 
-    _, calib, evals = llama
+    _, calib, evals = small
     outs = {"a": tmp_path / "a.qdq.onnx", "b": tmp_path / "b.qdq.onnx"}
     result = quantize_graphs({"a": fixture_path(LLAMA), "b": fixture_path(LLAMA)}, {"a": calib, "b": evals}, outs,
                              precision="w8a16")
@@ -244,14 +252,14 @@ def test_shared_plan_gives_shared_tensors_one_encoding(llama, tmp_path):
     assert rot and rot[0]["status"] == "changed"
 
 
-def test_sensitivity_ranks_layers_and_raising_them_helps(llama, tmp_path):
+def test_sensitivity_ranks_layers_and_raising_them_helps(small, tmp_path):
     """The weakest layers by SQNR, raised to 8-bit weights in an int4 plan, bring the CPU score up."""
     from qnnpasses.ir.model import save_model
     from qnnpasses.quant import precision_policy
     from qnnpasses.quant.driver import ensure_pipeline, quant_prep
     from qnnpasses.quant.sensitivity import raise_until
 
-    _, calib, evals = llama
+    _, calib, evals = small
     ir = _prepared(LLAMA)
     ensure_pipeline(ir)
     data = CalibrationData(calib, model_inputs(ir))
@@ -268,10 +276,10 @@ def test_sensitivity_ranks_layers_and_raising_them_helps(llama, tmp_path):
 
 
 @requires_htp
-def test_block_wise_int4_runs_on_htp_and_beats_per_channel(llama, tmp_path):
+def test_block_wise_int4_runs_on_htp_and_beats_per_channel(small, tmp_path):
     """int4 weights with 32-row blocks (DequantizeLinear block_size, opset 21): one HTP partition, no CPU
     node, and closer to fp32 than per-channel int4 (measured cosine 0.99554 vs 0.99467 on 4 samples)."""
-    _, calib, evals = llama
+    _, calib, evals = small
     scores = {}
     for block in (None, 32):
         out = tmp_path / f"b{block}.qdq.onnx"

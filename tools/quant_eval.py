@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -73,13 +74,26 @@ def write_data(out: Path, eval_windows: int, calib_windows: int) -> dict[str, di
 
 # --------------------------------------------------------------------------- cells
 
-#: Cell name -> (policy fields, outlier rewrites).  ``+rot``: fold-norm-weights,rotate-residual.
-PRECISION_FIELDS = {"w8a16": {"act": "uint16", "weights": "int8"},
-                    "w4a16": {"act": "uint16", "weights": "int4", "weight_scales": "mse"},
-                    "w8a16mse": {"act": "uint16", "weights": "int8", "weight_scales": "mse"},
-                    # the 8 layers with the lowest weight SQNR (qnnpasses.quant.sensitivity) at 16-bit weights
-                    "w8a16r8": {"act": "uint16", "weights": "int8", "raise": 8},
-                    "w4a16r8": {"act": "uint16", "weights": "int4", "weight_scales": "mse", "raise": 8}}
+#: Precision names: ``w8a16`` / ``w4a16`` (int4 gets MSE scales), then optional ``mse`` (MSE scales
+#: for int8 too), ``r<k>`` (the k layers with the lowest weight SQNR raised: 16-bit weights in w8a16,
+#: 8-bit in w4a16; qnnpasses.quant.sensitivity) and ``b<B>`` (int4 blocks of B rows).
+PRECISION_RE = re.compile(r"^(w8a16|w4a16)(mse)?(?:r(\d+))?(?:b(\d+))?$")
+
+
+def precision_fields(precision: str) -> dict:
+    m = PRECISION_RE.match(precision)
+    if not m:
+        raise SystemExit(f"bad precision '{precision}' (w8a16|w4a16, then mse, r<k>, b<B>)")
+    fields = {"act": "uint16", "weights": "int4" if m[1] == "w4a16" else "int8"}
+    if m[1] == "w4a16" or m[2]:
+        fields["weight_scales"] = "mse"
+    if m[3]:
+        fields["raise"] = int(m[3])
+    if m[4]:
+        fields["block_size"] = int(m[4])
+    return fields
+
+
 ROTATE = "fold-norm-weights,rotate-residual"
 
 
@@ -88,8 +102,8 @@ def parse_cell(cell: str) -> tuple[str, str, bool]:
     model, _, rest = cell.partition(":")
     precision, _, extra = rest.partition("+")
     names = {n.split("_")[0]: n for n in tf.SPECS}
-    if model not in names or precision not in PRECISION_FIELDS or extra not in ("", "rot"):
-        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision in {sorted(PRECISION_FIELDS)}, +rot)")
+    if model not in names or not PRECISION_RE.match(precision) or extra not in ("", "rot"):
+        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision w8a16|w4a16[mse][r<k>][b<B>], +rot)")
     return names[model], precision, extra == "rot"
 
 
@@ -127,7 +141,7 @@ def quantized_model(cell: str, data: Path) -> tuple[Path, dict]:
     if out.exists() and info.exists():
         return out, json.loads(info.read_text())
     prepared = prepared_model(name, rotate, data)
-    fields = dict(PRECISION_FIELDS[precision])
+    fields = precision_fields(precision)
     raise_count = fields.pop("raise", 0)
     policy = PrecisionPolicy(**fields)
     if raise_count:
@@ -185,6 +199,7 @@ def measure(cell: str, data: Path, windows: range) -> dict:
         t1 = time.monotonic()
         per = {}
         for i in windows:
+            print(f"{cell}: window {i} ({time.monotonic() - t1:.0f} s)", file=sys.stderr, flush=True)
             feed = tf.graph_feeds(ev, i, names)
             ref = fp32.run(None, feed)[0]
             got = session.run(None, feed)[0]
@@ -193,6 +208,24 @@ def measure(cell: str, data: Path, windows: range) -> dict:
     return {"cell": cell, "record": record, "windows": per, "qnn_partitions": partitions, "cpu_nodes": len(cpu_nodes),
             "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH, "provider_options": HTP_INT_OPTIONS,
             "session_seconds": round(t1 - t0, 1), "run_seconds": round(time.monotonic() - t1, 1)}
+
+
+def cpu_proxy(cell: str, data: Path, windows: range) -> dict:
+    """The same QDQ model on onnxruntime's CPU EP (a quick proxy, used to choose what the HTP measures)."""
+    import onnxruntime as ort
+
+    name, _, _ = parse_cell(cell)
+    qdq, record = quantized_model(cell, data)
+    fp32 = ort.InferenceSession(str(tf.DEFAULT_CACHE / f"{name}_ts.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"])
+    ev = tf.load_npz(data / f"{name}.eval.npz")
+    names = [i.name for i in fp32.get_inputs()]
+    per = {}
+    for i in windows:
+        feed = tf.graph_feeds(ev, i, names)
+        per[str(i)] = window_stats(name, fp32.run(None, feed)[0], session.run(None, feed)[0], feed,
+                                   ev["labels"][i:i + 1] if "labels" in ev else None)
+    return {"cell": cell, "record": record, "windows": per}
 
 
 def merge(results: dict, measured: dict) -> dict:
@@ -263,6 +296,37 @@ def render(results: dict) -> str:
         lines.append(f"| {r['model']} | {r['precision']} ({r['plan']}) | {'rotate' if r['rotated'] else 'none'} | "
                      f"{r['windows']} | {top1} | {ppl} | {ratio} | {emb} | {r['cosine']:.5f} | "
                      f"{','.join(map(str, r['qnn_partitions']))} | {r['cpu_nodes']} | {target or '-'} | {met} |")
+    lines += ["", "## What the outlier rewrite changes", ""]
+    by = {(r["model"], r["precision"], r["rotated"]): r for r in rows}
+    for (model, precision, rotated), r in sorted(by.items()):
+        base = by.get((model, precision, False))
+        if not rotated or base is None:
+            continue
+        if "top1" in r:
+            lines.append(f"- {model} {precision}: top-1 {base['top1']:.1%} -> {r['top1']:.1%}, perplexity ratio "
+                         f"{base['ppl_ratio']:.3f}× -> {r['ppl_ratio']:.3f}×, logits cosine {base['cosine']:.5f} -> "
+                         f"{r['cosine']:.5f} (windows {base['windows']} / {r['windows']}).")
+    missed = [r for r in rows if r.get("met") is False]
+    if missed:
+        lines += ["", "## Targets not met", ""]
+        for r in missed:
+            gaps = []
+            for k, v in r["target"].items():
+                gaps.append(f"{k} {r[k]:.4g} vs {v} (short by {abs(r[k] - v):.3g})" if not
+                            (r[k] <= v if k == "ppl_ratio" else r[k] >= v) else f"{k} met")
+            lines.append(f"- {r['cell']}: " + "; ".join(gaps))
+    curve = [summarize(c, e) for c, e in sorted(results.get("cpu_curve", {}).items())]
+    if curve:
+        lines += ["", "## Choosing the plan: the same QDQ models on onnxruntime CPU (proxy, not the HTP)", "",
+                  "Used to pick what the HTP measures; `r<k>`: the k layers with the lowest weight SQNR raised "
+                  "(16-bit weights in w8a16, 8-bit in w4a16), `b<B>`: int4 blocks of B rows, `mse`: MSE-optimal "
+                  "weight scales.", "",
+                  "| cell | windows | top-1 vs fp32 | perplexity ratio | embedding cosine | logits/hidden cosine |",
+                  "|---|---|---|---|---|---|"]
+        for r in curve:
+            lines.append(f"| {r['cell']} | {r['windows']} | {r['top1']:.1%} | {r['ppl_ratio']:.3f}× | - | {r['cosine']:.5f} |"
+                         if "top1" in r else
+                         f"| {r['cell']} | {r['windows']} | - | - | {r['embedding_cosine']:.5f} | {r['cosine']:.5f} |")
     lines += ["", *results.get("notes", [])]
     return "\n".join(lines) + "\n"
 
@@ -279,9 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--windows", default="0:16", help="held-out windows START:END (default 0:16)")
     r.add_argument("--data", type=Path, default=DEFAULT_DATA)
     r.add_argument("--results", type=Path, required=True, help="JSON file the measurements merge into")
+    c = sub.add_parser("curve", help="score cells with the QDQ model on onnxruntime CPU (proxy) into the results")
+    c.add_argument("--cells", required=True)
+    c.add_argument("--windows", default="0:4")
+    c.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    c.add_argument("--results", type=Path, required=True)
     p = sub.add_parser("report", help="render docs/quant_llm.md and .json from the results")
     p.add_argument("--results", type=Path, required=True, nargs="+", help="results files of the runs, merged")
     p.add_argument("--docs", type=Path, default=TOOLS_DIR.parent / "docs")
+    p.add_argument("--notes", type=Path, help="a JSON list of measured findings (lines) to append")
     args = parser.parse_args(argv)
     if args.command == "data":
         print(json.dumps(write_data(args.out, args.eval_windows, args.calib_windows), indent=1))
@@ -297,6 +367,16 @@ def main(argv: list[str] | None = None) -> int:
             args.results.write_text(json.dumps(merge(results, measured), indent=1, default=str))
             print(json.dumps(summarize(cell, results["cells"][cell]), default=str), flush=True)
         return 0
+    if args.command == "curve":
+        start, _, end = args.windows.partition(":")
+        for cell in args.cells.split(","):
+            measured = cpu_proxy(cell, args.data, range(int(start), int(end)))
+            results = json.loads(args.results.read_text()) if args.results.exists() else {}
+            results.setdefault("cpu_curve", {})[cell] = {"windows": measured["windows"], "record": measured["record"],
+                                                          "placements": [{"qnn_partitions": 0, "cpu_nodes": -1}]}
+            args.results.write_text(json.dumps(results, indent=1, default=str))
+            print(json.dumps(summarize(cell, results["cpu_curve"][cell]), default=str), flush=True)
+        return 0
     results: dict = {}
     for path in args.results:
         part = json.loads(path.read_text())
@@ -305,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             mine["windows"].update(entry.pop("windows"))
             mine["placements"] += entry.pop("placements")
             mine.update(entry)
+        results.setdefault("cpu_curve", {}).update(part.pop("cpu_curve", {}))
         results.update(part)
+    if args.notes:
+        results["notes"] = json.loads(args.notes.read_text())
     args.docs.mkdir(parents=True, exist_ok=True)
     summary = {"cells": [summarize(c, e) for c, e in sorted(results.get("cells", {}).items())],
                "calibration_windows": results.get("calibration_windows"), "raw": results}
