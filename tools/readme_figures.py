@@ -274,6 +274,27 @@ def speed_bullet(path: Path) -> str:
 # --------------------------------------------------------------------------- the README
 
 
+def _slug(heading: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", heading.lower()).strip("-")
+
+
+@renderer("section")
+def section(path: Path, anchor: str) -> str:
+    """``section:SLUG``: the body of the section of a generated markdown document whose
+    heading's slug is SLUG (up to the next heading), copied as the tool wrote it."""
+    lines = _read(path).splitlines()
+    for index, line in enumerate(lines):
+        heading = re.match(r"(#+)\s+(.*)", line)
+        if heading and _slug(heading.group(2)) == anchor:
+            body = []
+            for rest in lines[index + 1:]:
+                if re.match(r"#+\s", rest):
+                    break
+                body.append(rest)
+            return "\n".join(body).strip()
+    raise SourceError(f"{path.relative_to(ROOT)}: no section whose heading reads '{anchor}'")
+
+
 def _wrap(text: str, width: int = 100, indent: str = "") -> str:
     """Fill to ``width`` columns; never inside `inline code`."""
     glued = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), text)
@@ -294,11 +315,12 @@ def render_blocks(readme: str, root: Path = ROOT) -> tuple[str, list[str]]:
 
     def fill(match: re.Match) -> str:
         source, key = match.group(2), match.group(3)
-        if key not in RENDERERS:
+        name, _, argument = key.partition(":")
+        if name not in RENDERERS:
             problems.append(f"block '{source} {key}': unknown renderer (known: {', '.join(sorted(RENDERERS))})")
             return match.group(0)
         try:
-            body = RENDERERS[key](root / source)
+            body = RENDERERS[name](root / source, argument) if argument else RENDERERS[name](root / source)
         except SourceError as exc:
             problems.append(f"block '{source} {key}': {exc}")
             return match.group(0)
