@@ -27,6 +27,7 @@ The modules:
 * :mod:`~qnnpasses.quant.driver` -- htp-llm + quantization-prep + outlier rewrites + onnxruntime's QNN recipe;
 * :mod:`~qnnpasses.quant.weights` -- MSE-optimal weight scales and block-wise int4, after the recipe;
 * :mod:`~qnnpasses.quant.shared` -- several graphs, one calibration plan; the named precisions;
+* :mod:`~qnnpasses.quant.sensitivity` -- per-layer SQNR, raising the weakest layers until a target;
 * :mod:`~qnnpasses.quant.evaluate` -- fp32 on CPU vs QDQ on the HTP: cosine, top-1, perplexity;
 * :mod:`~qnnpasses.quant.sweep` -- the precision grid, scored on the HTP;
 * :mod:`~qnnpasses.quant.overrides` -- AIMET encodings for ``qnn-onnx-converter --quantization_overrides``.
