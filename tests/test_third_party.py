@@ -24,9 +24,9 @@ import third_party as tp  # noqa: E402
 from qnnpasses.backends.cpu import ATOL, MIN_COSINE, RTOL, run_cpu  # noqa: E402
 
 BY_ID = {m.id: m for m in tp.CATALOG}
-#: Models whose fp16 HTP output is wrong whatever the tool (onnxsim, onnxslim and htp-llm all
-#: measured at cosine ~0 against fp32 CPU): placement and op counts are still checked.
-FP16_OPEN = {"magika_v3_3": "HTP fp16 output uncorrelated with fp32 for every variant (cosine ~0); not yet diagnosed"}
+#: Models whose fp16 HTP output is wrong whatever the tool: placement and op counts are still checked.
+#: (magika was, until two-pass-variance: its one-pass LayerNorm variance overflows and cancels in fp16.)
+FP16_OPEN: dict[str, str] = {}
 
 
 def _installed(model_id: str) -> tp.ThirdPartyModel:
@@ -73,8 +73,16 @@ def test_htp_llm_fully_on_htp_lossless_and_never_more_qnn_ops_than_the_best_peer
     assert ours["partitions"] == 1 and ours["cpu_nodes"] == 0, ours
     feeds = tp.make_feeds(model)
     reference = run_cpu(str(model.path), feeds)
-    assert ours["cpu_cosine"] >= MIN_COSINE
-    assert ours["cpu_max_abs"] <= ATOL + RTOL * max(float(np.abs(v).max()) for v in reference.values())
+    if model.extra_passes:  # approximate passes: held to their own contract's tolerance
+        from qnnpasses.passmanager.api import get_pass
+
+        for name in model.extra_passes:
+            contract = get_pass(name).contract
+            assert ours["cpu_cosine"] >= contract.min_cosine, ours
+            assert ours["cpu_max_abs"] <= contract.atol + contract.rtol * max(float(np.abs(v).max()) for v in reference.values())
+    else:
+        assert ours["cpu_cosine"] >= MIN_COSINE
+        assert ours["cpu_max_abs"] <= ATOL + RTOL * max(float(np.abs(v).max()) for v in reference.values())
     assert row["best_peer_qnn_ops"] is not None and ours["qnn_ops"] <= row["best_peer_qnn_ops"], row
     if model_id not in FP16_OPEN:
         assert ours["htp_cosine"] is not None and ours["htp_cosine"] >= 0.999, ours

