@@ -270,7 +270,7 @@ def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
                 continue
             lead = (f"{r['identical_leading_mean']:.2f} ({', '.join(map(str, r['identical_leading']))})"
                     if mode == "greedy" else "-")
-            top1 = f"{_pct(r['top1'])} of {r['positions']}"
+            top1 = f"{_pct(r['top1'])} of {r['positions']} ({len(r['prompts'])} prompts)"
             if mode == "greedy":
                 top1 += f" ({_pct(r['top1_generated'])} of the generated)"
             ppl = (f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f})"
@@ -427,17 +427,26 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                                     "weight_sharing": built["manifest"]["weight_sharing"]}
         if precision == "fp16":
             res["graphs"] = graph_rows(built)
+        run_items, run_refs = items, refs
+        if precision != "fp16" and args.quantized_prompts:
+            run_items = prompts(args.quantized_prompts, args.prompt_tokens, args.new_tokens)
+            windows = [i["window"] for i in items]
+            if any(i["window"] not in windows for i in run_items):
+                raise SystemExit("--quantized-prompts must pick a subset of the fp16 prompts' windows")
+            run_refs = [refs[windows.index(i["window"])] for i in run_items]
         for mode in RUNS[precision] + (("text",) if precision == "fp16" and args.fp16_text else ()):
             log.info("%s %s: teacher-forced on the HTP (%s)", exporter, precision, mode)
-            run_key = {**key, "context": args.context, "prefill": args.prefill, "mode": mode,
-                       "built": built["report"].get("seconds")}
-            compute = None if args.render_only else (lambda out=out, mode=mode: pair_run(out, items, refs, mode))
+            run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
+                       "prefill": args.prefill, "mode": mode, "built": built["report"].get("seconds")}
+            compute = None if args.render_only else (
+                lambda out=out, mode=mode, it=run_items, rf=run_refs: pair_run(out, it, rf, mode))
             value = _cached(out / f"eval_{mode}.json", run_key, args.reuse, compute)
             if value is None:
                 res["not_run"].append(precision)
                 continue
             if mode == "greedy":
-                divergences(value, items, refs, ties)
+                divergences(value, run_items, run_refs, ties)
+            value["windows"] = [i["window"] for i in run_items]
             res["runs"][f"{precision}:{mode}"] = value
     return res
 
@@ -451,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default="4", help="prompts per export: N, or per export as kv_ts:4,kv_dynamo:2")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quantized-prompts", type=int,
+                        help="fewer prompts for w8a16/w4a16 (a subset of the fp16 prompts' windows)")
     parser.add_argument("--fp16-text", action="store_true", help="also score the real text in fp16 (perplexity)")
     parser.add_argument("--work", type=Path, default=tf.DEFAULT_CACHE.parent / "llm_eval",
                         help="where the pairs and partial results go (default: next to the trained-fixture cache)")
