@@ -72,10 +72,15 @@ class Generation:
 
 
 def _htp_session(path: Path, *, fp16: bool, shared: bool) -> Any:
+    """A session on the HTP with the options ``qnnpasses llm`` compiled with: onnxruntime's graph
+    optimizations off (its fusions would undo rewrites the HTP needs, e.g. the fp16-safe
+    RMSNorm), graph-boundary Q/DQ on the HTP for quantized graphs, no CPU fallback."""
     from qnnpasses.backends.htp import htp_session
 
     config = {"ep.share_ep_contexts": "1"} if shared else None
-    return htp_session(path, fp16=fp16, disable_cpu_fallback=True, session_config=config)
+    extra = None if fp16 else {"offload_graph_io_quantization": "0"}
+    return htp_session(path, fp16=fp16, disable_cpu_fallback=True, session_config=config, optimize=False,
+                       extra_options=extra)
 
 
 def _cpu_session(path: Path) -> Any:
