@@ -23,10 +23,11 @@ sys.path.insert(0, str(ROOT / "tools"))
 import check_agreement as ca  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "tiny_llama.onnx"
-MIN_AGREEMENT = 0.97  # the target; reached on real exports
-#: Measured on all ONNX backend node tests (docs/check_agreement.md): below the target, because
-#: onnxruntime's shape inference (which decides "Cannot get shape") is only approximated.
-NODE_SUITE_FLOOR = 0.91
+MIN_AGREEMENT = 0.97  # the target, for both suites
+#: Measured (docs/check_agreement.md): 98.7% of the node tests' nodes, 99.9% of real exports'; the
+#: floors leave room for a re-probe's noise, not for a regression to the target.
+NODE_SUITE_FLOOR = 0.98
+REAL_SUITE_FLOOR = 0.99
 
 
 def _check(capsys, *args) -> dict:
@@ -40,8 +41,10 @@ def test_committed_agreement_figures_reach_the_target():
     results = {r["suite"]: r for r in json.loads((ROOT / "docs" / "check_agreement.json").read_text())}
     assert results["node"]["compared_nodes"] >= 2000 and results["node"]["models"] >= 1500
     assert results["real"]["compared_nodes"] >= 2000
-    assert results["real"]["agreement"] >= MIN_AGREEMENT
-    assert results["node"]["agreement"] >= NODE_SUITE_FLOOR
+    assert results["real"]["agreement"] >= max(MIN_AGREEMENT, REAL_SUITE_FLOOR)
+    assert results["node"]["agreement"] >= max(MIN_AGREEMENT, NODE_SUITE_FLOOR)
+    # held out: nodes of ops whose table entry was not learned from the node tests
+    assert results["node"]["held_out_nodes"] >= 5000 and results["node"]["held_out_agreement"] >= MIN_AGREEMENT
     for suite in ("node", "real"):
         assert results[suite]["agreeing_nodes"] == results[suite]["compared_nodes"] - len(results[suite]["disagreements"])
 
@@ -75,9 +78,8 @@ def test_checker_agrees_with_the_backend_on_a_sample_of_onnx_node_tests(tmp_path
     result = ca.compare("node", records)
     print(f"\nnode-test sample: {result['agreement']:.1%} of {result['compared_nodes']} nodes; "
           + "; ".join(f"{m['model']}/{m['node']}: backend {m['backend']}" for m in result["disagreements"]))
-    # 13 models, 80 nodes; one expanded Attention test carries 7 of the 8 misses measured (shape
-    # inference): a small sample moves by whole models, hence the lower floor than the full suite's
-    assert result["compared_nodes"] >= 10 and result["agreement"] >= 0.85
+    # 13 models, 80 nodes: a small sample moves by whole models, hence a floor below the full suite's
+    assert result["compared_nodes"] >= 10 and result["agreement"] >= 0.9
 
 
 @requires_htp

@@ -117,6 +117,31 @@ def test_unknown_shape_fails_and_names_fix_shapes(tmp_path):
     assert all("unknown shape" in r.reasons[0] and "fix-shapes" in r.reasons[0] for r in results)
 
 
+def test_checker_reads_the_shapes_onnxruntime_infers(tmp_path):
+    """``Reshape(x, Shape(x))``: ONNX's per-op inference leaves the result's dims symbolic,
+    onnxruntime's data propagation knows them (so the EP gets static shapes and the Relu after
+    it is predicted on the HTP); a tensor neither knows keeps no shape (and fails)."""
+    from qnnpasses.op_support.deployed import onnxruntime_graph
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape0"),
+             helper.make_node("Reshape", ["x", "s"], ["r"], name="reshape0"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu0")]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    per_op = onnx.shape_inference.infer_shapes(model, data_prop=False)
+    r_dims = next(v for v in per_op.graph.value_info if v.name == "r").type.tensor_type.shape.dim
+    assert not any(d.HasField("dim_value") for d in r_dims)  # the premise: ONNX does not know it
+    graph = onnxruntime_graph(model)
+    assert graph.tensors()["r"].shape == [2, 3, 4] and graph.tensors()["y"].shape == [2, 3, 4]
+    verdicts = {r.name: r.supported for r in check_graph(graph)}
+    assert verdicts == {"shape0": False, "reshape0": True, "relu0": True}
+    unknown = onnxruntime_graph(onnx.load(_no_shape_model(tmp_path)))
+    assert unknown.tensors()["r"].shape is None
+    assert [r.supported for r in check_graph(unknown)] == [False, False]
+
+
 def test_parse_ep_log_attributes_backend_error_to_node():
     log = [
         "2026-01-01 00:00:00.1 [V:onnxruntime:Default, qnn_backend_manager.cc:519 QnnLogging]  <E> [4294967295] has incorrect Rank 6.\n",
