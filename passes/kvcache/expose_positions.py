@@ -1,18 +1,28 @@
-"""expose-positions: rotary positions computed from the past length -> a ``position_ids`` input.
+"""expose-positions: rotary positions computed in the graph -> a ``position_ids`` input.
 
-Matches: a graph whose Cos/Sin (the rotary tables) are computed, through float ops, from a
-``Cast(int -> float)`` of an integer tensor that is not a graph input: HF exports without a
-``position_ids`` input derive the positions as ``arange(past_len, past_len + seq)``.  Skipped
-when an integer graph input already feeds the rotary.
+Matches either form of a rotary whose positions the graph computes instead of reading an input:
+
+* Cos/Sin (the rotary tables) computed, through float ops, from a ``Cast(int -> float)`` of an
+  integer tensor that is not a graph input: HF exports without a ``position_ids`` input derive
+  the positions as ``arange(past_len, past_len + seq)``;
+* rows of a constant cos/sin table gathered (``roles.rotary_gathers``) at computed indices: a
+  lowered onnxruntime-genai ``GroupQueryAttention`` derives them from the attention mask
+  (``ReduceSum(mask) - 1`` = ``seqlens_k``, positions ``seqlens_k + 1 - S + i``).
+
+Skipped when an integer graph input already feeds the rotary.
 
 Produces: a new graph input ``position_ids`` with the shape of the token-id input (the integer
-input indexing the embedding; ``[batch, seq]``), int64; each matched Cast reads
-``Reshape(position_ids, Shape(X))`` instead of ``X``.  Only the rotary reads the new input: the
+input indexing the embedding; ``[batch, seq]``), int64; each matched Cast (or table Gather)
+reads ``Reshape(position_ids, Shape(X))`` instead of ``X``; what computed ``X`` from the mask
+or the past length is then dead (only its shape is read, which ``simplify`` folds once static).  Only the rotary reads the new input: the
 causal mask keeps its own positions (past_len + i), which is what a static cache of fixed
 length P needs (new tokens at key slots P..P+S-1, invalid slots removed by the mask).
 
 Why it is safe: with ``position_ids = arange(past_len, past_len + seq)`` (one row per batch
-entry) the graph computes exactly what it did.  It changes the interface on purpose: a
+entry; for the mask-derived form, with an all-ones mask, exactly what ``seqlens_k + 1 - S + i``
+is) the graph computes exactly what it did.  With a padded mask the derived positions would
+be wrong (they count the valid entries, not the slots), which is why a static cache needs the
+input.  It changes the interface on purpose: a
 static-cache runner passes absolute positions that differ from the (fixed) past length.
 
 Verification: the outputs before and after are not the same tensors (not a rename), so the
@@ -30,7 +40,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.passes.kvcache._contract import changes_interface
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.llm.roles import embedding_indices, feeds_rotary
+from qnnpasses.llm.roles import embedding_indices, feeds_rotary, index_input, rotary_gathers
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import emit, finish
 
@@ -64,7 +74,7 @@ def rotary_position_casts(graph: gs.Graph, limit: int = 24) -> list[gs.Node]:
 @register_pass
 class ExposePositions(Pass):
     name = "expose-positions"
-    summary = "rotary positions derived from the past length -> a position_ids graph input"
+    summary = "rotary positions derived from the past length or the mask -> a position_ids graph input"
     lossless = False  # the outputs now depend on a new input
     contract = changes_interface("adds a position_ids input that the rotary reads")
 
@@ -76,24 +86,34 @@ class ExposePositions(Pass):
         graph = ir.graph
         if any(_kind(t) in "iu" and feeds_rotary(t) and embedding_indices([t]) is None for t in graph.inputs):
             return PassResult(changed=False, notes=["an integer graph input already feeds the rotary"])
+        gathers = rotary_gathers(graph)
+        if any(index_input(g.inputs[1], graph) is not None for g in gathers):
+            return PassResult(changed=False, notes=["an integer graph input already indexes the rotary tables"])
         ids = embedding_indices(list(graph.inputs))
         casts = [c for c in rotary_position_casts(graph) if c.inputs[0] not in graph.inputs]
+        casts += [g for g in gathers if g not in casts]
         if ids is None or not casts:
             return PassResult(changed=False, notes=["no rotary computed from derived positions"])
         if any(t.name == self.options.input_name for t in graph.tensors().values()):
             return PassResult(changed=False, notes=[f"name '{self.options.input_name}' is taken"])
         positions = gs.Variable(self.options.input_name, dtype=np.int64, shape=list(ids.shape) if ids.shape else None)
         graph.inputs.append(positions)
-        for cast in casts:
-            old = cast.inputs[0]
-            source = positions
-            if old.dtype is not None and np.dtype(old.dtype) != np.int64:
-                source = emit(ir, ctx, "Cast", [positions], hint="positions_cast", dtype=old.dtype, shape=positions.shape,
-                              attrs={"to": int(_onnx_type(old.dtype))})
-            shape = emit(ir, ctx, "Shape", [old], hint="positions_shape", dtype=np.int64, shape=None)
-            cast.inputs[0] = emit(ir, ctx, "Reshape", [source, shape], hint="positions", dtype=old.dtype, shape=old.shape)
+        made: dict[int, gs.Tensor] = {}  # one Reshape per replaced tensor (cos and sin share positions)
+        for node in casts:
+            slot = 0 if node.op == "Cast" else 1
+            old = node.inputs[slot]
+            if id(old) not in made:
+                source = positions
+                if old.dtype is not None and np.dtype(old.dtype) != np.int64:
+                    source = emit(ir, ctx, "Cast", [positions], hint="positions_cast", dtype=old.dtype,
+                                  shape=positions.shape, attrs={"to": int(_onnx_type(old.dtype))})
+                shape = emit(ir, ctx, "Shape", [old], hint="positions_shape", dtype=np.int64, shape=None)
+                made[id(old)] = emit(ir, ctx, "Reshape", [source, shape], hint="positions", dtype=old.dtype,
+                                     shape=old.shape)
+            node.inputs[slot] = made[id(old)]
         finish(ir)
-        return PassResult(changed=True, stats={"casts_rewired": len(casts)})
+        gathered = sum(1 for n in casts if n.op == "Gather")
+        return PassResult(changed=True, stats={"casts_rewired": len(casts) - gathered, "gathers_rewired": gathered})
 
 
 def _onnx_type(dtype) -> int:

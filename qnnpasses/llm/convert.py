@@ -3,6 +3,9 @@
 For each graph (prefill: ``tokens`` = M, ``past`` = N - M; decode: 1 and N - 1), from the
 original export:
 
+0. the onnxruntime contrib-op lowerings of ``htp-llm`` (``CONTRIB_LOWERINGS``: a model-builder
+   export's ``GroupQueryAttention`` becomes explicit attention with ``Concat(past, new)``), before
+   the roles are found -- on an HF export they change nothing;
 1. ``fix-shapes`` with explicit static shapes (batch 1, S new tokens, P past slots, mask P + S),
    ``expose-positions`` (rotary positions become an input when the export derived them from the
    past length), ``simplify``, ``kv-new-outputs`` (outputs only the new K/V) and
@@ -114,16 +117,34 @@ def _records(result) -> list[dict[str, Any]]:
     return [{"name": r.name, "status": r.status, "reason": r.reason, "stats": r.stats} for r in result.records]
 
 
+def lower_contrib(ir: IRModel) -> tuple[list[dict[str, Any]], str]:
+    """``htp-llm``'s onnxruntime contrib-op lowerings on ``ir`` in place (under the same contracts as in
+    ``htp-llm``: nothing lossy); returns their records and the spec of those that changed the graph."""
+    from qnnpasses.passmanager.named import CONTRIB_LOWERINGS
+
+    result = PassManager(parse_pipeline(",".join(CONTRIB_LOWERINGS)), RunConfig(verify=False, strict=True)).run(ir)
+    return _records(result), ",".join(r.name for r in result.records if r.changed)
+
+
+def export_roles(ir: IRModel) -> Roles:
+    """The roles of an export's I/O, found on what its graph does once the contrib ops are lowered
+    (``ir`` is lowered in place: a ``GroupQueryAttention`` hides the Concat of the cache)."""
+    lower_contrib(ir)
+    return find_roles(ir.graph)
+
+
 def static_graph(model: Path, roles: Roles, tokens: int, past: int) -> tuple[IRModel, dict[str, Any]]:
     """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied."""
     ir = load_model(model)
+    lowered, lowerings = lower_contrib(ir)
     stage = PassManager(parse_pipeline(STATIC_CACHE_PIPELINE), RunConfig(verify=False, strict=True, allow_lossy=True))
     stage.context.shapes = _shapes(roles, tokens, past)
     first = stage.run(ir)
     second = PassManager(get_pipeline("htp-llm"), RunConfig(verify=False, strict=True)).run(ir)
     # what ran, in textual form (quantization then knows htp-llm was applied)
-    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{STATIC_CACHE_PIPELINE},{get_pipeline('htp-llm').to_text()}"
-    return ir, {"passes": _records(first) + _records(second)}
+    prefix = f"{lowerings}," if lowerings else ""
+    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{STATIC_CACHE_PIPELINE},{get_pipeline('htp-llm').to_text()}"
+    return ir, {"passes": (lowered if lowerings else []) + _records(first) + _records(second)}
 
 
 def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
@@ -178,7 +199,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     validate(model, out_dir, options)
     start = time.monotonic()
     source = load_model(model)
-    roles = find_roles(source.graph)
+    roles = export_roles(source)
     _check_tokens(source, roles, prefill, f"--prefill {prefill}")
     _check_tokens(source, roles, 1, "the decode graph")
     for what in ("kv_heads", "head_dim"):

@@ -34,10 +34,10 @@ class ReferenceModel:
             raise BadInputError(f"{os.path.basename(self.path)}: onnxruntime cannot load it: "
                                 f"{str(exc).strip().splitlines()[0][:300]}") from None
         from qnnpasses.ir.load import load_model
-        from qnnpasses.llm.roles import find_roles
+        from qnnpasses.llm.convert import export_roles
 
         try:
-            roles = find_roles(load_model(self.path).graph)
+            roles = export_roles(load_model(self.path))
         except BadInputError as exc:
             raise BadInputError(f"{os.path.basename(self.path)}: {exc}") from None
         self.input_ids, self.mask, self.positions, self.logits_name = (
@@ -46,7 +46,8 @@ class ReferenceModel:
         self.present = roles.present_key + roles.present_value
         meta = {i.name: i for i in self.session.get_inputs()}
         self.types = {name: _TYPES[m.type] for name, m in meta.items() if m.type in _TYPES}
-        self.past_shapes = {n: meta[n].shape for n in self.past}
+        # heads / head dim as the graph declares them (a builder export names the head dim, lower-gqa binds it)
+        self.past_shapes = {n: [1, roles.kv_heads, 0, roles.head_dim] for n in self.past}
         ids_shape = meta[self.input_ids].shape
         self.one_token = len(ids_shape) == 2 and ids_shape[1] == 1  # the new-token axis is fixed to 1
         self.out_names = [o.name for o in self.session.get_outputs()]

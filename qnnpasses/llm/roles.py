@@ -10,7 +10,11 @@ Names vary between exporters, so every role is found from what the graph does wi
   and value of one layer meet at the same Softmax, and layers are ordered as the graph runs;
 * ``input_ids``: the integer input used as indices of a Gather on a rank-2 float initializer
   (the embedding);
-* ``position_ids``: an integer input from which a Cos/Sin (rotary) is computed, if any;
+* ``position_ids``: an integer input from which a Cos/Sin (rotary) is computed, or that is (up to
+  Cast/Reshape-like moves) the row indices of a rotary table Gather (a float constant
+  ``[max_pos, d]`` read at positions, as lowered ``GroupQueryAttention``/``RotaryEmbedding`` do),
+  if any -- positions derived from the mask or the past length give none (``expose-positions``
+  then adds the input);
 * ``attention_mask``: the remaining rank-2 input;
 * ``logits``: the output that is not a present output.
 """
@@ -181,6 +185,9 @@ def find_roles(graph: gs.Graph) -> Roles:
     if input_ids is None:
         raise BadInputError("no input_ids: no integer input indexes an embedding table")
     position_ids = next((t.name for t in others if t is not input_ids and _is_int(t) and feeds_rotary(t)), None)
+    if position_ids is None:
+        direct = [index_input(g.inputs[1], graph) for g in rotary_gathers(graph)]
+        position_ids = next((t.name for t in direct if t is not None and t is not input_ids and t.name not in past), None)
     rest = [t for t in others if t.name not in (input_ids.name, position_ids)]
     masks = [t for t in rest if t.shape is not None and len(t.shape) == 2]
     if len(masks) != 1 or len(rest) != 1:
@@ -227,3 +234,55 @@ def feeds_rotary(tensor: gs.Tensor, limit: int = 16) -> bool:
                 continue
             queue.extend((out, depth + 1) for out in node.outputs)
     return False
+
+
+_INDEX_MOVES = ("Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand")
+
+
+def value_inputs(tensor: gs.Tensor, limit: int = 48) -> set[str]:
+    """Names of the graph inputs whose *values* ``tensor`` is computed from (Shape/Size read only a
+    shape and are not followed)."""
+    found, seen, queue = set(), set(), deque([(tensor, 0)])
+    while queue:
+        current, depth = queue.popleft()
+        node = current.inputs[0] if current.inputs else None
+        if node is None:
+            if not isinstance(current, gs.Constant):
+                found.add(current.name)
+            continue
+        if id(node) in seen or depth > limit or node.op in ("Shape", "Size"):
+            continue
+        seen.add(id(node))
+        queue.extend((t, depth + 1) for t in node.inputs if t is not None and t.name)
+    return found
+
+
+def rotary_gathers(graph: gs.Graph) -> list[gs.Node]:
+    """Gathers of rows (axis 0) of a float rank-2 constant table at computed or input positions whose
+    values do not come from the token ids: the cos/sin tables of a rotary read at the positions (the
+    embedding Gather, indexed by the token ids, is not one)."""
+    ids = embedding_indices(list(graph.inputs))
+    found = []
+    for node in graph.nodes:
+        if node.op != "Gather" or int(node.attrs.get("axis", 0)) != 0 or len(node.inputs) < 2:
+            continue
+        table, index = node.inputs[0], node.inputs[1]
+        if not (isinstance(table, gs.Constant) and len(table.shape) == 2 and _is_float(table)):
+            continue
+        if isinstance(index, gs.Constant) or (ids is not None and ids.name in value_inputs(index)):
+            continue
+        found.append(node)
+    return found
+
+
+def index_input(tensor: gs.Tensor, graph: gs.Graph) -> gs.Tensor | None:
+    """The graph input ``tensor`` is, looking back through Cast/Reshape-like moves (None: computed)."""
+    inputs = {id(t) for t in graph.inputs}
+    for _ in range(8):
+        if id(tensor) in inputs:
+            return tensor
+        node = tensor.inputs[0] if tensor.inputs else None
+        if node is None or node.op not in _INDEX_MOVES:
+            return None
+        tensor = node.inputs[0]
+    return None
