@@ -353,8 +353,14 @@ def render(doc: dict[str, Any]) -> str:
                 f"margin between its top two logits there. Its top logit is {min(top):.1f}–{max(top):.1f} at those "
                 f"positions, where consecutive fp16 values are {min(gap):.4f}–{max(gap):.4f} apart: a margin of a "
                 "few hundredths is within a few fp16 roundings of that one logit, before 30 layers of fp16 "
-                "arithmetic. After such a near-tie the pair continues a different, about equally likely text, and "
-                "every later token counts as not identical.")
+                "arithmetic. After such a near-tie the two continuations differ, and every later token counts as "
+                "not identical.")
+        located = all(sum(row["positions"] - row["agree"] for row in r["prompts"]) == len(
+            [d for row in r["prompts"] for d in row.get("differs_at", [])])
+            for res in doc["exports"].values() for k, r in res["runs"].items() if k.endswith(":greedy"))
+        if located:
+            ties += (f" The largest of these margins is {max(d['fp32_margin'] for d in differing):.3f}: at every "
+                     "position where the original's top choice leads by more, the pair's argmax is the same.")
     speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
              "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
     lines = ["# SmolLM2-135M as a prefill + decode pair on the HTP", "",
@@ -513,11 +519,18 @@ def sample_text(exports: dict[str, Any]) -> dict[str, Any] | None:
         run = res["runs"].get("fp16:greedy", {})
         if run.get("prompts"):
             tok, row = tokenizer(), run["prompts"][0]
-            same = row["identical_leading"]
-            return {"export": _name(name), "identical": same, "prompt": tok.decode(res["prompts"][0]["prompt"]),
-                    "reference": tok.decode(res["reference_tokens"][0]),
-                    "htp": tok.decode(res["reference_tokens"][0][:same]) + ("" if same == len(res["reference_tokens"][0])
-                                                                             else " [diverges here]")}
+            same, ref = row["identical_leading"], res["reference_tokens"][0]
+
+            def text(ids: list[int], tok=tok) -> str:
+                return tok.decode(ids).replace("\n", " ⏎ ")
+
+            htp = text(ref[:same])
+            if same < len(ref):
+                margin = row["differs_at"][0]["fp32_margin"] if row.get("differs_at") else None
+                htp += (f" [here the pair picks “{text([row['pair_tokens'][same]])}” where fp32 picks "
+                        f"“{text([ref[same]])}”" + (f", {margin:.3f} logits ahead" if margin is not None else "") + "]")
+            return {"export": _name(name), "identical": same, "prompt": text(res["prompts"][0]["prompt"]),
+                    "reference": text(ref), "htp": htp}
     return None
 
 
