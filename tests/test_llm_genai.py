@@ -113,3 +113,17 @@ def test_generate_on_cpu_gives_the_original_tokens(name, built, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == out["compare"]["original_tokens"] and len(out["tokens"]) == 12
     assert out["compare"]["teacher_forced_top1"] == 1.0
+
+
+def test_int4_build_is_refused_in_one_line(tmp_path, capsys):
+    """The int4 build's MatMulNBits (accuracy_level=4) lowers only lossily (htp-llm --allow-lossy):
+    ``qnnpasses llm`` says so, exit 2, and writes nothing."""
+    from qnnpasses.cli import main
+
+    out = tmp_path / "pair"
+    assert main(["llm", str(original("llama_int4")), "--out-dir", str(out), "--context", "64", "--prefill", "8",
+                 "--no-compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qnnpasses: error:") and "MatMulNBits" in err[-1] and "--allow-lossy" in err[-1]
+    assert not any("Traceback" in line for line in err)
+    assert not out.exists() and not list(tmp_path.iterdir())

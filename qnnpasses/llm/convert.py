@@ -200,6 +200,10 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     start = time.monotonic()
     source = load_model(model)
     roles = export_roles(source)
+    left = sorted({n.op for n in source.graph.nodes if (n.domain or "") == "com.microsoft"})
+    if left:  # e.g. MatMulNBits with accuracy_level=4: its lowering is lossy (htp-llm runs it only with --allow-lossy)
+        raise BadInputError(f"the export keeps onnxruntime contrib ops that are not lowered losslessly: {', '.join(left)} "
+                            "(htp-llm lowers them only with --allow-lossy, which qnnpasses llm does not take)")
     _check_tokens(source, roles, prefill, f"--prefill {prefill}")
     _check_tokens(source, roles, 1, "the decode graph")
     for what in ("kv_heads", "head_dim"):
