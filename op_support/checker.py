@@ -163,23 +163,31 @@ def _attr_in(view: _NodeView, rule: Rule) -> str | None:
     return rule.get("reason") or f"{rule['attr']}={value!r} (HTP takes {rule['values']})"
 
 
+def _attr_all(view: _NodeView, rule: Rule) -> str | None:
+    """A list attribute, when given, has every element equal to ``value`` (dilations all 1)."""
+    value = view.attr(rule["attr"])
+    if value is None or all(v == rule["value"] for v in value):
+        return None
+    return rule.get("reason") or f"{rule['attr']}={list(value)} (HTP takes all {rule['value']})"
+
+
 def _close(a: Any, b: Any) -> bool:
     return isinstance(b, (int, float)) and abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
 def _constant_input(view: _NodeView, rule: Rule) -> str | None:
-    """Input ``index`` must be constant.  With ``"or_static_output": true`` (shape operands of
-    Reshape/Expand) a value computed by other nodes is fine too when the output shape is
-    static: the EP only needs the output shape, which onnxruntime then infers."""
+    """Input ``index`` must be constant (or empty: no values to read).  With
+    ``"or_static_output": true`` (shape operands of Reshape/Expand) any value is fine when the
+    output shape is static: the EP only needs the output shape, which onnxruntime infers."""
     index = rule["index"]
     t = view.inputs[index] if index < len(view.inputs) else None
     if t is None or t.constant:
         return None
+    if t.shape is not None and any(isinstance(d, (int, np.integer)) and d == 0 for d in t.shape):
+        return None  # an empty tensor carries no values (e.g. default reduce axes): measured, accepted
     if rule.get("or_static_output"):
-        tensor = view.node.inputs[index]
         out = view.outputs[0] if view.outputs else None
-        computed = bool(getattr(tensor, "inputs", None))
-        if computed and out is not None and out.shape is not None and all(isinstance(d, (int, np.integer)) for d in out.shape):
+        if out is not None and out.shape is not None and all(isinstance(d, (int, np.integer)) for d in out.shape):
             return None
     return rule.get("reason") or f"input {index} must be a constant initializer"
 
@@ -328,6 +336,7 @@ RULES: dict[str, RuleCheck] = {
     "not_graph_output": _not_graph_output,
     "last_axis": _axis_is_last,
     "attr_in": _attr_in,
+    "attr_all": _attr_all,
     "constant_input": _constant_input,
     "max_rank": _max_rank,
     "dtype_pairs": _dtype_pairs,

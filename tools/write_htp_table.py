@@ -16,6 +16,7 @@ constraint shows up here before the holdout test sees it.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from collections import Counter, defaultdict
@@ -153,6 +154,39 @@ NODE_TEST_RULES: dict[str, list[dict[str, Any]]] = {
     "BatchNormalization": [
         {"check": "constant_input", "index": i, "reason": "QNN BatchNorm doesn't support dynamic scale, bias, mean or var",
          "source": ["node tests test_batchnorm_*: cpu (QNN BatchNorm doesn't support dynamic scale.)"]} for i in (1, 2, 3, 4)],
+    "Resize": [
+        {"check": "attr_in", "attr": "coordinate_transformation_mode", "default": "half_pixel",
+         "values": ["half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"],
+         "reason": "Resize: coordinate_transformation_mode tf_crop_and_resize / half_pixel_symmetric is not supported",
+         "source": ["node tests test_resize_tf_crop_and_resize*, *_half_pixel_symmetric: cpu"]},
+        {"check": "attr_in", "attr": "antialias", "default": 0, "values": [0],
+         "reason": "Resize: anti-aliasing is not supported", "source": ["node tests test_resize_*_antialias: cpu"]},
+        {"check": "constant_input", "index": 2, "when": {"attr": {"mode": ["cubic"]}},
+         "reason": "Resize: cubic mode needs constant scales (or sizes)",
+         "source": ["node tests test_resize_*_scales_cubic*: cpu; test_resize_*_sizes_cubic: htp"]},
+    ],
+    "GridSample": [
+        {"check": "attr_in", "attr": "mode", "default": "linear", "values": ["linear", "bilinear", "nearest"],
+         "reason": "GridSample: cubic mode is not supported", "source": ["node tests test_gridsample_bicubic*: cpu"]},
+        {"check": "input_rank", "input": 0, "max": 4, "reason": "GridSample: volumetric (5-D) input is not supported",
+         "source": ["node tests test_gridsample_volumetric_*: session failed"]},
+    ],
+    "LpNormalization": [
+        {"check": "attr_in", "attr": "p", "default": 2, "values": [2], "reason": "LpNormalization: only p=2",
+         "source": ["node tests test_l1normalization_*: cpu"]}],
+    **{op: [{"check": "attr_all", "attr": "dilations", "value": 1, "reason": f"{op}: dilations other than 1",
+             "source": [f"node tests test_{op.lower()}_*dilations*: cpu"]}] for op in ("MaxPool", "AveragePool", "ConvTranspose")},
+    **{op: [{"check": "min_inputs", "count": 2, "reason": f"{op} needs at least 2 inputs on HTP",
+             "source": [f"node tests test_{op.lower()}_one_input: cpu"]}] for op in ("Max", "Min", "Sum", "Mean")},
+    **{op: [{"check": "attr_in", "attr": "layout", "default": 0, "values": [0], "reason": f"{op}: layout=1 is not supported",
+             "source": [f"node tests test_{op.lower()}_batchwise: cpu"]}] for op in ("GRU", "LSTM")},
+    "RoiAlign": [{"check": "attr_in", "attr": "mode", "default": "avg", "values": ["avg"],
+                  "reason": "RoiAlign: only avg pooling mode", "source": ["node tests test_roialign_mode_max: cpu"]}],
+    "ScatterElements": [{"check": "attr_in", "attr": "reduction", "default": "none", "values": ["none"],
+                         "reason": "ScatterElements: reductions are not supported",
+                         "source": ["node tests test_scatter_elements_with_reduction_*, *_duplicate_indices: cpu"]}],
+    "Mod": [{"check": "attr_in", "attr": "fmod", "default": 0, "values": [0], "reason": "Mod: only fmod=0",
+             "source": ["node tests test_mod_*fmod (fmod=1): cpu"]}],
 }
 
 
@@ -192,7 +226,47 @@ def learn_from_node_tests(table: dict[str, Any]) -> None:
                        "probes": counts, "source": [f"{t}: {v}" for t, v, _ in verdicts[:4]]}
     for op, rules in NODE_TEST_RULES.items():
         if op in ops and ops[op].get("supported", True):
-            ops[op] = {**ops[op], "rules": [*ops[op].get("rules", []), *rules]}
+            learned = [{**rule, "learned_from": "node tests"} for rule in rules]
+            ops[op] = {**ops[op], "rules": [*ops[op].get("rules", []), *learned]}
+    learn_dtypes_from_node_tests(ops)
+
+
+def learn_dtypes_from_node_tests(ops: dict[str, Any]) -> None:
+    """Widen an entry's I/O dtypes by those of single-node tests that ran on the HTP (e.g. Mod on
+    int8/uint16, Max on uint32: the EP converts them); the entry records what it learned."""
+    import json as _json
+
+    import numpy as np
+    import onnx
+    from check_agreement import node_cases
+
+    for op in ops:  # aliases share their target's specs: widen copies
+        ops[op] = copy.deepcopy(ops[op])
+    ran = set()
+    if NODE_TESTS.exists():
+        for line in NODE_TESTS.read_text().splitlines():
+            rec = _json.loads(line)
+            if rec["nodes_in_model"] == 1 and [v[0] for v in rec["nodes"].values()] == ["htp"]:
+                ran.add(rec["id"])
+    for case in node_cases():
+        if case.id not in ran:
+            continue
+        node = case.model.graph.node[0]
+        entry = ops.get(node.op_type)
+        if entry is None or not entry.get("supported", True) or (node.domain or "ai.onnx") != "ai.onnx":
+            continue
+        types = {v.name: v.type.tensor_type.elem_type for v in [*case.model.graph.input, *case.model.graph.output]}
+        for kind, names in (("inputs", node.input), ("outputs", node.output)):
+            specs = entry.get(kind, [])
+            for i, name in enumerate(names):
+                spec = specs[i] if i < len(specs) else (specs[-1] if kind == "inputs" and entry.get("variadic") and specs else None)
+                if not name or spec is None or spec.get("dtypes") is None or not types.get(name):
+                    continue
+                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(types[name])).name
+                if dtype not in spec["dtypes"]:
+                    spec["dtypes"] = [*spec["dtypes"], dtype]
+                    learned = entry.setdefault("learned_dtypes", {"learned_from": "node tests (single-node htp verdicts)"})
+                    learned.setdefault(f"{kind} {i}", []).append(f"{dtype} ({case.id})")
 
 
 # --------------------------------------------------------------------------- loading & grouping
