@@ -6,7 +6,7 @@ then reads the build's own report: placement and composed QNN op counts from the
 backend, KV-cache bytes against 2·L·kv_heads·head_dim·N·bytes and ``qnnpasses analyze``'s
 figure, the CPU check against the original export, and the weight-sharing probe outcome.
 
-    python tools/llm_figures.py                  # the random-weight fixtures (fast)
+    python tools/llm_figures.py                  # the random-weight fixtures, model-builder ones too (fast)
     python tools/llm_figures.py --trained        # + SmolLM2-135M KV exports (tools/trained_fixtures.py),
                                                  #   and the TorchScript one split with --parts 3
 
@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 # (label, path, context, prefill, parts): the dynamo fixture fixes the new-token count at 1
 RANDOM = [("llama_gqa_kv_dyn_ts (random)", FIXTURES / "llama_gqa_kv_dyn_ts.onnx", 256, 16, None),
-          ("llama_gqa_kv_dyn_dynamo (random)", FIXTURES / "llama_gqa_kv_dyn_dynamo.onnx", 256, 1, None)]
+          ("llama_gqa_kv_dyn_dynamo (random)", FIXTURES / "llama_gqa_kv_dyn_dynamo.onnx", 256, 1, None),
+          # onnxruntime-genai model-builder exports (GroupQueryAttention; tools/genai_models.py)
+          ("genai builder llama_fp32 (random)", FIXTURES / "genai" / "llama_fp32" / "model.onnx", 64, 8, None),
+          ("genai builder qwen2_fp32 (random)", FIXTURES / "genai" / "qwen2_fp32" / "model.onnx", 64, 8, None)]
 
 
 def trained_exports(context: int, prefill: int) -> list[tuple[str, Path, int, int, int | None]]:
