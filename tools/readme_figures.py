@@ -266,7 +266,7 @@ def speed_bullet(path: Path) -> str:
                 f"so the totals across depths do not do the same work")
     targets = re.findall(r"^- (.+?) <= ([0-9.]+): wall ([0-9.]+x|-) (met|NOT met|not measured)", text, re.MULTILINE)
     if targets:
-        out += ". Issue #14's targets, wall time: " + ", ".join(
+        out += ". The project's speed targets, wall time: " + ", ".join(
             f"{name} {value.replace('x', '×')} (≤ {bound}: {verdict})" for name, bound, value, verdict in targets)
     return _wrap(out + ".", indent="  ")
 
