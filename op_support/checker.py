@@ -216,6 +216,15 @@ def _static_shapes(view: _NodeView, rule: Rule) -> str | None:
     return None
 
 
+def _nonempty_outputs(view: _NodeView, rule: Rule) -> str | None:
+    """An output with a zero-size dim (an empty Slice, ...) cannot be a QNN tensor."""
+    for i, t in enumerate(view.outputs):
+        if t is not None and t.shape is not None and any(isinstance(d, (int, np.integer)) and d == 0 for d in t.shape):
+            dims = "x".join(str(d) for d in t.shape)
+            return f"output {i} is empty ({dims}): {rule.get('reason') or 'QNN tensors cannot have a zero-size dim'}"
+    return None
+
+
 def _dtype_pairs(view: _NodeView, rule: Rule) -> str | None:
     """(input dtype, output dtype) must be a listed pair; ``[in, out, max_rank]`` also caps the rank."""
     src = view.inputs[rule.get("input", 0)]
@@ -343,6 +352,7 @@ RULES: dict[str, RuleCheck] = {
     "min_inputs": _min_inputs,
     "not_all_constant": _not_all_constant,
     "static_shapes": _static_shapes,
+    "nonempty_outputs": _nonempty_outputs,
     "input_absent": _input_absent,
     "output_absent": _output_absent,
     "input_dtype_in": _input_dtype_in,
