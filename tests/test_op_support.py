@@ -142,6 +142,33 @@ def test_checker_reads_the_shapes_onnxruntime_infers(tmp_path):
     assert [r.supported for r in check_graph(unknown)] == [False, False]
 
 
+def test_rules_learned_from_node_test_verdicts():
+    """Rules read from the backend's verdicts on ONNX's node tests (docs/check_agreement.md):
+    an empty output is refused (test_layer_normalization_*_axis0_expanded: empty Slice), an empty
+    axes operand is not a dynamic one (test_reduce_sum_default_axes_*: htp), pool dilations must be
+    1 (test_maxpool_2d_dilations: cpu), Mod takes int8 (test_mod_mixed_sign_int8: htp)."""
+    def var(name, shape, dtype=np.float32):
+        return gs.Variable(name, dtype=dtype, shape=shape)
+
+    starts, ends = gs.Constant("st", np.array([0], np.int64)), gs.Constant("en", np.array([0], np.int64))
+    empty = check_node(gs.Node("Slice", "s", inputs=[var("x", [2, 5]), starts, ends], outputs=[var("y", [0, 5])]))
+    assert not empty.supported and "empty" in empty.reasons[0]
+    reduce = gs.Node("ReduceSum", "r", attrs={"keepdims": 1},
+                     inputs=[var("x", [3, 2, 2]), var("axes", [0], np.int64)], outputs=[var("y", [1, 1, 1])])
+    assert check_node(reduce).supported
+    pool = {"kernel_shape": [2, 2], "strides": [1, 1]}
+    dilated = gs.Node("MaxPool", "p", attrs={**pool, "dilations": [2, 2]}, inputs=[var("x", [1, 1, 4, 4])],
+                      outputs=[var("y", [1, 1, 2, 2])])
+    plain = gs.Node("MaxPool", "q", attrs={**pool, "dilations": [1, 1]}, inputs=[var("x", [1, 1, 4, 4])],
+                    outputs=[var("y", [1, 1, 3, 3])])
+    assert not check_node(dilated).supported and check_node(plain).supported
+    mod = gs.Node("Mod", "m", inputs=[var("a", [6], np.int8), var("b", [6], np.int8)], outputs=[var("c", [6], np.int8)])
+    assert check_node(mod).supported
+    fmod = gs.Node("Mod", "f", attrs={"fmod": 1}, inputs=[var("a", [6], np.int64), var("b", [6], np.int64)],
+                   outputs=[var("c", [6], np.int64)])
+    assert not check_node(fmod).supported
+
+
 def test_parse_ep_log_attributes_backend_error_to_node():
     log = [
         "2026-01-01 00:00:00.1 [V:onnxruntime:Default, qnn_backend_manager.cc:519 QnnLogging]  <E> [4294967295] has incorrect Rank 6.\n",
