@@ -25,6 +25,7 @@ of ``trained_fixtures.py``): the first ``--prompt-tokens`` tokens are the prompt
     python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo
     python tools/llm_eval.py [--exporters kv_ts,kv_dynamo] [--precisions fp16,w8a16] [--context 128]
                              [--prefill 16] [--prompts 4] [--prompt-tokens 16] [--new-tokens 32]
+                             [--quantized-prompts K] [--quantized-exporters kv_ts]
                              [--work DIR] [--reuse] [--out docs/llm]
 """
 
@@ -151,8 +152,8 @@ def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str) -> di
     """The pair on the HTP, one teacher-forced pass per prompt.
 
     ``mode`` "greedy": the prompt + the original's greedy tokens (identical leading tokens,
-    teacher-forced top-1); "text": the prompt + the real continuation (top-1 agreement with
-    fp32 and perplexity)."""
+    teacher-forced top-1; continuation through the decode graph); "text": the prompt + the real
+    continuation fed in prefill chunks of M (top-1 agreement with fp32 and perplexity)."""
     from qnnpasses.llm.runner import Runner
 
     start = time.perf_counter()
@@ -162,7 +163,11 @@ def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str) -> di
     for item, ref in zip(items, refs):
         before = {k: list(v) for k, v in runner.timings.items()}
         fed = ref["tokens"][:-1] if mode == "greedy" else item["text"]
-        logits = runner.score(item["prompt"], fed)
+        if mode == "greedy":
+            logits = runner.score(item["prompt"], fed)
+        else:  # all in prefill chunks of M (the same causal logits, far fewer calls on the simulated HTP)
+            runner.reset()
+            logits = runner.feed(runner.check_prompt(list(item["prompt"]) + list(fed)))[0]
         argmax = logits.argmax(-1)
         want = np.asarray(ref["greedy_top1"] if mode == "greedy" else ref["text_top1"])
         row: dict[str, Any] = {"window": item["window"], "agree": int((argmax == want).sum()), "positions": int(want.size),
@@ -418,6 +423,9 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                            "reference_tokens": [r["tokens"] for r in refs], "builds": {}, "runs": {}, "not_run": []}
     for precision in args.precisions.split(","):
         out = args.work / f"{exporter}_{precision}"
+        if precision != "fp16" and args.quantized_exporters and exporter not in args.quantized_exporters.split(","):
+            res["not_run"].append(precision)
+            continue
         log.info("%s %s: qnnpasses llm -> %s", exporter, precision, out)
         if args.render_only and not (out / "llm.json").exists():
             res["not_run"].append(precision)
@@ -468,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--quantized-prompts", type=int,
                         help="fewer prompts for w8a16/w4a16 (a subset of the fp16 prompts' windows)")
+    parser.add_argument("--quantized-exporters",
+                        help="build and measure w8a16/w4a16 only for these exporters (comma-separated; default all)")
     parser.add_argument("--fp16-text", action="store_true", help="also score the real text in fp16 (perplexity)")
     parser.add_argument("--work", type=Path, default=tf.DEFAULT_CACHE.parent / "llm_eval",
                         help="where the pairs and partial results go (default: next to the trained-fixture cache)")

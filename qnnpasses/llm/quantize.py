@@ -54,46 +54,77 @@ def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
     return array
 
 
-def calibration_samples(folder: Path, manifest: dict[str, Any], sequences: np.ndarray) -> dict[str, list[dict]]:
-    """Per graph, the inputs of every call while the float pair processes ``sequences``."""
-    graphs = manifest["graphs"]
-    runners = {name: PartsRunner(folder, graphs[name]) for name in graphs}
-    context, size = manifest["context"], manifest["prefill"]
-    roles = graphs["decode"]["roles"]
-    samples: dict[str, list[dict]] = {"prefill": [], "decode": []}
-    vocab = manifest["vocab"]
+def _schedule(manifest: dict[str, Any], sequences: np.ndarray) -> list[list[tuple[str, list[int]]]]:
+    """Per sequence, the calls a runner makes on it: the first half in prefill chunks, the rest
+    one token at a time through decode (while the cache holds them)."""
+    graphs, context, size = manifest["graphs"], manifest["context"], manifest["prefill"]
+    plans = []
     for row in sequences:
-        tokens = [int(t) % vocab for t in row[: context - 1]]
+        tokens = [int(t) % manifest["vocab"] for t in row[: context - 1]]
         prompt = tokens[: max(1, len(tokens) // 2)]
-        cache = {n: np.zeros((1, manifest["kv_heads"], context, manifest["head_dim"]), np.float32)
-                 for n in roles["past_key"] + roles["past_value"]}
-        valid = 0
         steps = [("prefill", prompt[i:i + size]) for i in range(0, len(prompt), size)]
         steps += [("decode", [t]) for t in tokens[len(prompt):]]
+        valid, plan = 0, []
         for name, chunk in steps:
-            graph = graphs[name]
-            if valid > graph["past"]:
+            if valid > graphs[name]["past"]:
                 break
+            plan.append((name, chunk))
+            valid += len(chunk)
+        plans.append(plan)
+    return plans
+
+
+def calibration_samples(folder: Path, manifest: dict[str, Any], sequences: np.ndarray, out: Path,
+                        limit: int = MAX_SAMPLES) -> dict[str, int]:
+    """Per graph, the inputs of at most ``limit`` calls (evenly spread over all of them) while the
+    float pair processes ``sequences``, written as ``out/<graph>/<input>.npy`` stacks.
+
+    Streamed: the calls to keep are chosen before anything runs and each kept feed goes straight
+    into a memory-mapped file, so memory holds one cache, not every call's copy of it (a
+    SmolLM2 decode feed carries ~6 MB of past K/V; 32 sequences made ~1,100 of them)."""
+    graphs = manifest["graphs"]
+    plans = _schedule(manifest, sequences)
+    calls = {name: [(s, i) for s, plan in enumerate(plans) for i, (n, _) in enumerate(plan) if n == name]
+             for name in graphs}
+    keep: dict[str, set[tuple[int, int]]] = {}
+    for name, found in calls.items():
+        if not found:
+            raise BadInputError(f"--calib: the sequences give no {name} call (need more than "
+                                f"{2 * manifest['prefill'] if name == 'decode' else 1} tokens)")
+        picks = np.linspace(0, len(found) - 1, min(limit, len(found))).round().astype(int)
+        keep[name] = {found[i] for i in picks}
+    runners = {name: PartsRunner(folder, graphs[name]) for name in graphs}
+    roles = graphs["decode"]["roles"]
+    stacks: dict[str, dict[str, np.ndarray]] = {name: {} for name in graphs}
+    written = {name: 0 for name in graphs}
+    for s, plan in enumerate(plans):
+        last = max((i for i, (n, _) in enumerate(plan) if (s, i) in keep[n]), default=-1)
+        cache = {n: np.zeros((1, manifest["kv_heads"], manifest["context"], manifest["head_dim"]), np.float32)
+                 for n in roles["past_key"] + roles["past_value"]}
+        valid = 0
+        for i, (name, chunk) in enumerate(plan[:last + 1]):
+            graph = graphs[name]
             feed = static_feed(graph, chunk, valid, cache)
-            out = runners[name](feed)
+            if (s, i) in keep[name]:
+                if not stacks[name]:
+                    (out / name).mkdir(parents=True, exist_ok=True)
+                    stacks[name] = {k: np.lib.format.open_memmap(out / name / f"{k}.npy", mode="w+", dtype=v.dtype,
+                                                                 shape=(len(keep[name]), *v.shape))
+                                    for k, v in feed.items()}
+                for k, v in feed.items():
+                    stacks[name][k][written[name]] = v
+                written[name] += 1
+            if i == last:
+                break
+            result = runners[name](feed)
             for kind in ("key", "value"):
                 for past, new in zip(graph["roles"][f"past_{kind}"], graph["roles"][f"new_{kind}"]):
-                    cache[past][:, :, valid:valid + len(chunk)] = out[new][:, :, :len(chunk)]
+                    cache[past][:, :, valid:valid + len(chunk)] = result[new][:, :, :len(chunk)]
             valid += len(chunk)
-            samples[name].append(feed)
-    for name, calls in samples.items():
-        if not calls:
-            raise BadInputError(f"--calib: the sequences give no {name} call (need more than "
-                                f"{2 * size if name == 'decode' else 1} tokens)")
-        if len(calls) > MAX_SAMPLES:  # evenly spread over the calls
-            keep = np.linspace(0, len(calls) - 1, MAX_SAMPLES).round().astype(int)
-            samples[name] = [calls[i] for i in keep]
-    return samples
-
-
-def _write_npz(path: Path, samples: list[dict[str, np.ndarray]]) -> Path:
-    np.savez(path, **{name: np.concatenate([s[name] for s in samples]) for name in samples[0]})
-    return path
+    for arrays in stacks.values():
+        for array in arrays.values():
+            array.flush()
+    return written
 
 
 def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, Any]:
@@ -106,19 +137,19 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         raise BadInputError(f"{options.precision}: not available yet")
     source_ids = manifest["source_roles"]["input_ids"]
     sequences = load_token_sequences(options.calib, source_ids)
-    samples = calibration_samples(folder, manifest, sequences)
     ties = {}
     for graph in manifest["graphs"].values():
         roles = graph["roles"]
         ties.update(zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]))
     models, calib, outputs = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="qnnpasses-llm-calib-") as tmp:
+        samples = calibration_samples(folder, manifest, sequences, Path(tmp))
         for name, graph in manifest["graphs"].items():
             part = graph["parts"][0]
             float_path = folder / part["onnx"].replace(".onnx", ".float.onnx")
             (folder / part["onnx"]).rename(float_path)
             models[name] = load_model(float_path)
-            calib[name] = _write_npz(Path(tmp) / f"{name}.npz", samples[name])
+            calib[name] = Path(tmp) / name
             outputs[name] = folder / part["onnx"]
         result = quantize_graphs(models, calib, outputs, precision=options.precision, ties=ties)
     for name, graph in manifest["graphs"].items():
@@ -127,6 +158,6 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         if names != set(graph["io"]):
             raise BadInputError(f"quantizing the {name} graph changed its interface: {sorted(names ^ set(graph['io']))}")
         graph["float_onnx"] = graph["parts"][0]["onnx"].replace(".onnx", ".float.onnx")
-    return {"precision": options.precision, "samples": {k: len(v) for k, v in samples.items()},
+    return {"precision": options.precision, "samples": samples,
             "shared_tensors": len(result.shared_tensors), "ties": len(ties),
             "graphs": {k: r.as_dict() for k, r in result.results.items()}}
