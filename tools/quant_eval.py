@@ -281,6 +281,14 @@ def summarize(cell: str, entry: dict) -> dict:
     return out
 
 
+def _same_windows(results: dict, cell: str, windows: dict) -> dict | None:
+    """The HTP cell's summary over exactly ``windows`` (None when the HTP did not measure them all)."""
+    entry = results.get("cells", {}).get(cell)
+    if entry is None or not set(windows) <= set(entry["windows"]):
+        return None
+    return summarize(cell, {**entry, "windows": {k: entry["windows"][k] for k in windows}})
+
+
 def render(results: dict) -> str:
     rows = [summarize(c, e) for c, e in sorted(results.get("cells", {}).items())]
     any_cell = next(iter(results.get("cells", {}).values()), {})
@@ -344,12 +352,16 @@ def render(results: dict) -> str:
                   "Used to pick what the HTP measures; `r<k>`: the k layers with the lowest weight SQNR raised "
                   "(16-bit weights in w8a16, 8-bit in w4a16), `b<B>`: int4 blocks of B rows, `mse`: MSE-optimal "
                   "weight scales.", "",
-                  "| cell | windows | top-1 vs fp32 | perplexity ratio | embedding cosine | logits/hidden cosine |",
-                  "|---|---|---|---|---|---|"]
+                  "| cell | windows | top-1 vs fp32 | perplexity ratio | embedding cosine | logits/hidden cosine | "
+                  "HTP on the same windows: top-1 / cosine |",
+                  "|---|---|---|---|---|---|---|"]
         for r in curve:
-            lines.append(f"| {r['cell']} | {r['windows']} | {r['top1']:.1%} | {r['ppl_ratio']:.3f}× | - | {r['cosine']:.5f} |"
+            same = _same_windows(results, r["cell"], results["cpu_curve"][r["cell"]]["windows"])
+            htp = "-" if same is None else (f"{same['top1']:.1%} / {same['cosine']:.5f}" if "top1" in same
+                                            else f"{same['cosine']:.5f}")
+            lines.append(f"| {r['cell']} | {r['windows']} | {r['top1']:.1%} | {r['ppl_ratio']:.3f}× | - | {r['cosine']:.5f} | {htp} |"
                          if "top1" in r else
-                         f"| {r['cell']} | {r['windows']} | - | - | {r['embedding_cosine']:.5f} | {r['cosine']:.5f} |")
+                         f"| {r['cell']} | {r['windows']} | - | - | {r['embedding_cosine']:.5f} | {r['cosine']:.5f} | {htp} |")
     lines += ["", *results.get("notes", [])]
     return "\n".join(lines) + "\n"
 
