@@ -27,8 +27,6 @@ KNOWN_UPWARD = {
         "the registry discovers the built-in pass families (as it discovers plugins); no pass code is used",
     ("qnnpasses.passmanager.report", "qnnpasses.analysis"):
         "the run report embeds analysis figures; model_snapshot belongs in qnnpasses.analysis",
-    ("qnnpasses.passes.kvcache.expose_positions", "qnnpasses.llm.roles"):
-        "graph-derived KV-cache roles; roles.py imports only errors and belongs below the passes",
 }
 LAYERS = [
     ("ir", ("qnnpasses.ir", "qnnpasses.op_support")),

@@ -40,7 +40,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.passes.kvcache._contract import changes_interface
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.llm.roles import embedding_indices, feeds_rotary, index_input, rotary_gathers
+from qnnpasses.ir.kv_roles import embedding_indices, feeds_rotary, index_input, rotary_gathers
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import emit, finish
 

@@ -3,7 +3,7 @@
 The yardstick of ``qnnpasses generate --compare``: the dynamic-KV export (``past_key_values.*``
 in, ``present.*`` out) runs greedily in fp32 on the CPU, the cache growing by each step's
 ``present`` outputs, exactly as ``generate()`` drives it.  The roles of its inputs and outputs
-come from the graph (:func:`qnnpasses.llm.roles.find_roles`, as ``qnnpasses llm`` finds them).
+come from the graph (:func:`qnnpasses.ir.kv_roles.find_roles`, as ``qnnpasses llm`` finds them).
 An export whose new-token axis is fixed to 1 is fed one token at a time.
 """
 
