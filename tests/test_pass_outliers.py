@@ -14,10 +14,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
 from pass_testing import run_strictly
+from qnnpasses.passes.outliers._orthogonal import hadamard, rotation
 
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import save_model
-from qnnpasses.passes.outliers._orthogonal import hadamard, rotation
 from qnnpasses.passmanager.manager import PassManager
 from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.passmanager.rewrite import constant_value
@@ -104,7 +104,7 @@ def test_smooth_mlp_migrates_scales_exactly(name, tmp_path):
 
 
 def test_smooth_mlp_needs_calibration(tmp_path):
-    ir, record = run_strictly(_prepared("llama_gqa_ts", tmp_path), "smooth-mlp")
+    _, record = run_strictly(_prepared("llama_gqa_ts", tmp_path), "smooth-mlp")
     assert record.status == "unchanged" and record.stats["smoothed"] == 0
 
 

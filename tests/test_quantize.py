@@ -202,7 +202,7 @@ def test_mse_scales_and_blocks_lower_the_weight_error():
     w = np.random.default_rng(0).standard_t(3, size=(256, 64)).astype(np.float32)  # heavy tails, like LLM weights
     errors = {}
     for label, mse, block in (("minmax", False, None), ("mse", True, None), ("mse-b32", True, 32)):
-        q, scale, axis, got_block, err = quantize_weight(w, 1, onnx.TensorProto.INT4, mse=mse, block_size=block)
+        q, scale, _, got_block, err = quantize_weight(w, 1, onnx.TensorProto.INT4, mse=mse, block_size=block)
         assert q.min() >= -8 and q.max() <= 7 and got_block == (block or 0)
         full = np.repeat(scale, block, axis=0) if block else scale
         assert np.isclose(((w - q * full) ** 2).sum(), err, rtol=1e-6)  # the reported error is the real one

@@ -32,8 +32,8 @@ import numpy as np
 TOOLS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS_DIR))
 
-import english_text  # noqa: E402
-import trained_fixtures as tf  # noqa: E402
+import english_text
+import trained_fixtures as tf
 
 DEFAULT_DATA = tf.DEFAULT_CACHE / "quant_eval"
 
@@ -294,16 +294,16 @@ def render(results: dict) -> str:
     any_cell = next(iter(results.get("cells", {}).values()), {})
     lines = ["# Quantized trained models on the HTP", "",
              "Written by `python tools/quant_eval.py report` from measurements by `tools/quant_eval.py run`.", "",
-             f"QDQ models on onnxruntime-qnn's HTP backend in integer mode (soc_model {any_cell.get('soc_model')}, "
+             (f"QDQ models on onnxruntime-qnn's HTP backend in integer mode (soc_model {any_cell.get('soc_model')}, "
              f"htp_arch {any_cell.get('htp_arch')}; graph-input/-output Q/DQ offloaded to the HTP too: "
              f"`offload_graph_io_quantization=0`, so nothing runs on the CPU EP), scored against the fp32 export "
              "on onnxruntime CPU over held-out windows of English text (64 tokens for SmolLM2, 128 for MiniLM; "
-             f"calibration: {results.get('calibration_windows', '?')} windows from disjoint documents).",
-             "`+rot`: `fold-norm-weights,rotate-residual` (SmolLM2's residual stream turned by a 576-point Hadamard "
+             f"calibration: {results.get('calibration_windows', '?')} windows from disjoint documents)."),
+             ("`+rot`: `fold-norm-weights,rotate-residual` (SmolLM2's residual stream turned by a 576-point Hadamard "
              "matrix) before quantization; `+rotsmooth`: then `smooth-mlp` (SmoothQuant scales, alpha 0.5, from "
-             "calibration data) too.", "",
-             "| model | precision | outlier rewrite | windows | top-1 vs fp32 | perplexity (fp32) | ratio | "
-             "embedding cosine (min) | logits/hidden cosine | partitions | CPU nodes | target | met |",
+             "calibration data) too."), "",
+             ("| model | precision | outlier rewrite | windows | top-1 vs fp32 | perplexity (fp32) | ratio | "
+             "embedding cosine (min) | logits/hidden cosine | partitions | CPU nodes | target | met |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ppl = f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f})" if "perplexity" in r else "-"
@@ -315,13 +315,13 @@ def render(results: dict) -> str:
         lines.append(f"| {r['model']} | {r['precision']} ({r['plan']}) | {REWRITE_NAMES[r['rotated']]} | "
                      f"{r['windows']} | {top1} | {ppl} | {ratio} | {emb} | {r['cosine']:.5f} | "
                      f"{','.join(map(str, r['qnn_partitions']))} | {r['cpu_nodes']} | {target or '-'} | {met} |")
-    lines += ["", "Plans (`qnnpasses.quant`): w8a16 = int8 per-channel weights, 16-bit activations, embedding / lm_head / "
+    lines += ["", ("Plans (`qnnpasses.quant`): w8a16 = int8 per-channel weights, 16-bit activations, embedding / lm_head / "
               "Q·Kᵀ / softmax / norm tensors at 16 bit; w4a16 = the same with int4 per-channel projection weights and "
               "MSE-optimal scales, the lm_head and every non-projection constant at int8; `r<k>`: the k layers with "
               "the lowest weight SQNR on calibration data raised (16-bit weights in w8a16, 8-bit in w4a16). "
-              "Projections stay 2-D for quantization (`layout{head_proj=false}`) so every one gets per-channel scales.",
-              "", "MiniLM is a post-norm encoder: its LayerNorm output is the residual stream itself, so "
-              "`rotate-residual` refuses it (nothing to rotate) and its cells are the same with or without it.",
+              "Projections stay 2-D for quantization (`layout{head_proj=false}`) so every one gets per-channel scales."),
+              "", ("MiniLM is a post-norm encoder: its LayerNorm output is the residual stream itself, so "
+              "`rotate-residual` refuses it (nothing to rotate) and its cells are the same with or without it."),
               "", "## What the outlier rewrite changes", ""]
     by = {(r["model"], r["precision"], r["rotated"]): r for r in rows}
     for (model, precision, rotated), r in sorted(by.items()):
@@ -349,11 +349,11 @@ def render(results: dict) -> str:
     curve = [summarize(c, e) for c, e in sorted(results.get("cpu_curve", {}).items())]
     if curve:
         lines += ["", "## Choosing the plan: the same QDQ models on onnxruntime CPU (proxy, not the HTP)", "",
-                  "Used to pick what the HTP measures; `r<k>`: the k layers with the lowest weight SQNR raised "
+                  ("Used to pick what the HTP measures; `r<k>`: the k layers with the lowest weight SQNR raised "
                   "(16-bit weights in w8a16, 8-bit in w4a16), `b<B>`: int4 blocks of B rows, `mse`: MSE-optimal "
-                  "weight scales.", "",
-                  "| cell | windows | top-1 vs fp32 | perplexity ratio | embedding cosine | logits/hidden cosine | "
-                  "HTP on the same windows: top-1 / cosine |",
+                  "weight scales."), "",
+                  ("| cell | windows | top-1 vs fp32 | perplexity ratio | embedding cosine | logits/hidden cosine | "
+                  "HTP on the same windows: top-1 / cosine |"),
                   "|---|---|---|---|---|---|---|"]
         for r in curve:
             same = _same_windows(results, r["cell"], results["cpu_curve"][r["cell"]]["windows"])

@@ -12,7 +12,7 @@ seeded Haar-random orthogonal ``R_m`` for the odd remainder ``m`` (entries sprea
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -26,7 +26,7 @@ def _is_quadratic_residue_table(q: int) -> np.ndarray:
     return chi
 
 
-@lru_cache(maxsize=None)
+@cache
 def paley(q: int) -> np.ndarray:
     """The Paley-I Hadamard matrix of order ``q + 1`` (``q`` prime, ``q = 3 mod 4``), entries ±1."""
     chi = _is_quadratic_residue_table(q)

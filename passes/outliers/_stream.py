@@ -52,7 +52,7 @@ def _const_input(node: gs.Node, index: int) -> np.ndarray | None:
 def norm_consumers(graph: gs.Graph, norm: gs.Node, hidden: int) -> tuple[list[gs.Node], str]:
     """The weighted MatMuls reading ``norm``'s output (through last-dim-keeping reshapes), or why not."""
     readers, todo = [], [norm.outputs[0]]
-    outputs = set(t.name for t in graph.outputs)
+    outputs = {t.name for t in graph.outputs}
     while todo:
         t = todo.pop()
         if t.name in outputs:

@@ -21,7 +21,14 @@ import numpy as np
 from qnnpasses.passes.outliers._stream import NORM_OPS, norm_consumers
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import EXACT, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import (
+    EXACT,
+    NORMS_FUSED,
+    Pass,
+    PassContext,
+    PassResult,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import constant_value, make_constant
 
 

@@ -33,7 +33,14 @@ from qnnpasses.passes.outliers._stream import find_stream
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import NORMS_FUSED, Pass, PassContext, PassResult, approximate, register_pass
+from qnnpasses.passmanager.api import (
+    NORMS_FUSED,
+    Pass,
+    PassContext,
+    PassResult,
+    approximate,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import constant_value, make_constant
 
 

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import NORMS_FUSED, Pass, PassContext, PassResult, approximate, register_pass
+from qnnpasses.passmanager.api import (
+    NORMS_FUSED,
+    Pass,
+    PassContext,
+    PassResult,
+    approximate,
+    register_pass,
+)
 from qnnpasses.passmanager.probe import calibration_samples, intermediate_values
 from qnnpasses.passmanager.rewrite import constant_value, make_constant, producer
 

@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from qnnpasses.commands.common import add_deprecated, add_format_arg, add_shape_arg, shaped_path
+from qnnpasses.commands.common import (
+    add_deprecated,
+    add_format_arg,
+    add_shape_arg,
+    shaped_path,
+)
 from qnnpasses.errors import BadInputError, CheckFailedError
 
 

@@ -67,7 +67,7 @@ def layer_sqnr(prepared: str | Path, calib: CalibrationData, policy: PrecisionPo
         for name, n in nodes.items():
             w = constant_value(n.inputs[1]).astype(np.float32)
             bits = 8 if policy.weight_bits == 4 and name in _head_nodes(ir) else policy.weight_bits
-            q, scale, axis, block, _ = quantize_weight(w, axes[n.inputs[1].name], _TYPES[bits],
+            q, scale, _, block, _ = quantize_weight(w, axes[n.inputs[1].name], _TYPES[bits],
                                                        mse=policy.weight_scales == "mse", block_size=policy.block_size)
             full = np.repeat(scale, block, axis=0) if block else scale
             quantized[name] = (w, (q * full).astype(np.float32))

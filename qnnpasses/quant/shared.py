@@ -34,7 +34,13 @@ from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
-from qnnpasses.quant.driver import QuantizeResult, ensure_pipeline, outlier_rewrites, quant_prep, quantize_model
+from qnnpasses.quant.driver import (
+    QuantizeResult,
+    ensure_pipeline,
+    outlier_rewrites,
+    quant_prep,
+    quantize_model,
+)
 from qnnpasses.quant.policy import PrecisionPolicy
 
 #: The outlier rewrites that keep a pre-norm LLM's residual stream small (see passes/outliers).

@@ -162,8 +162,8 @@ def markdown(result: SweepResult) -> str:
     intro = (f"Calibration samples: {result.calibration_samples}; evaluation samples: {result.eval_samples} "
              "(disjoint). fp32 original on onnxruntime CPU vs QDQ on the QNN HTP backend (integer mode).")
     lines = [f"# Precision sweep: {Path(result.model).name}", "", intro, "",
-             "| cell | weights | act | sensitive | outlier rewrite | QNN partitions | CPU nodes | cosine | max abs | top-1 | "
-             "ppl (fp32) | status |",
+             ("| cell | weights | act | sensitive | outlier rewrite | QNN partitions | CPU nodes | cosine | max abs | "
+              "top-1 | ppl (fp32) | status |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result.cells:
         p = c.policy
