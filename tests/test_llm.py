@@ -261,3 +261,36 @@ def test_max_part_bytes_budget_gives_parts_within_it(built):
     _, pieces = plan_parts(ir, manifest["graphs"]["decode"]["roles"]["input_ids"], max_part_bytes=weights // 2)
     assert len(pieces) >= 2
     assert all(p.weight_bytes + p.peak_activation_bytes <= weights // 2 for p in pieces)
+
+
+def test_calibration_feeds_are_streamed_to_disk_and_equal_the_runner_feeds(built, tmp_path):
+    """--calib keeps at most `limit` calls per graph, evenly spread, written to memory-mapped
+    stacks; each kept feed is exactly the feed of that call when the float pair runs the sequence."""
+    from pathlib import Path
+
+    from qnnpasses.llm.quantize import _schedule, calibration_samples
+
+    manifest = built("llama_gqa_kv_dyn_ts")
+    folder = Path(manifest["dir"])
+    sequences = np.random.default_rng(5).integers(0, manifest["vocab"], (2, 40))
+    written = calibration_samples(folder, manifest, sequences, tmp_path, limit=3)
+    assert written == {"prefill": 3, "decode": 3}
+    graphs, roles = manifest["graphs"], manifest["graphs"]["decode"]["roles"]
+    runners = {g: PartsRunner(folder, graphs[g]) for g in graphs}
+    feeds = {"prefill": [], "decode": []}
+    for plan in _schedule(manifest, sequences):  # every call's feed, held in memory (small fixture)
+        cache = {n: np.zeros((1, manifest["kv_heads"], CONTEXT, manifest["head_dim"]), np.float32)
+                 for n in roles["past_key"] + roles["past_value"]}
+        valid = 0
+        for name, chunk in plan:
+            feed = static_feed(graphs[name], chunk, valid, cache)
+            feeds[name].append(feed)
+            out = runners[name](feed)
+            for past, new in zip(roles["past_key"] + roles["past_value"], roles["new_key"] + roles["new_value"]):
+                cache[past][:, :, valid:valid + len(chunk)] = out[new][:, :, :len(chunk)]
+            valid += len(chunk)
+    for name, calls in feeds.items():
+        keep = np.linspace(0, len(calls) - 1, 3).round().astype(int)
+        for key in calls[0]:
+            stored = np.load(tmp_path / name / f"{key}.npy", mmap_mode="r")
+            np.testing.assert_array_equal(stored, np.stack([calls[i][key] for i in keep]))
