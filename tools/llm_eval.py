@@ -325,6 +325,27 @@ def _speed_rows(doc: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _htp_target() -> tuple[str, str]:
+    from qnnpasses.backends.htp import HTP_ARCH, SOC_MODEL
+
+    return SOC_MODEL, HTP_ARCH
+
+
+def _quant_note(doc: dict[str, Any]) -> str:
+    """How each quantized pair was calibrated and built (from its build report)."""
+    notes = []
+    for name, res in doc["exports"].items():
+        for precision, b in res.get("builds", {}).items():
+            q = b.get("quantization")
+            if q:
+                notes.append(f"{_name(name)} {precision}: calibrated (MinMax, one shared calibration: "
+                             f"{q['shared_tensors']} tensors share one encoding) on {q['samples']['prefill']} prefill "
+                             f"and {q['samples']['decode']} decode calls of the float pair over "
+                             f"{q.get('sequences', '?')} windows of English text disjoint from the prompts', built in "
+                             f"{b['build_seconds']:.0f} s")
+    return (" " + "; ".join(notes) + ".") if notes else ""
+
+
 def render(doc: dict[str, Any]) -> str:
     s, m = doc["settings"], doc["model"]
     intro = (f"Trained SmolLM2-135M ({m['layers']} layers, {m['heads']} query / {m['kv_heads']} KV heads, vocab "
@@ -332,7 +353,8 @@ def render(doc: dict[str, Any]) -> str:
              "(`python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo`), turned into "
              f"a static pair by `qnnpasses llm EXPORT -o DIR --context {s['context']} --prefill {s['prefill']}` and run "
              "by the runner of `qnnpasses generate` on onnxruntime-qnn's HTP backend (compiled context models, CPU "
-             "fallback disabled; fp16 mode, integer mode for w8a16). "
+             "fallback disabled; fp16 mode, integer mode for w8a16 with the graph-boundary Q/DQ also on the HTP "
+             "(`offload_graph_io_quantization=0`); soc_model %s, htp_arch v%s). " % _htp_target()
              + "; ".join(f"{_name(e)} export: {c} prompts" for e, c in s["prompts"].items())
              + f", each the first {s['prompt_tokens']} tokens of a held-out window of English text (windows spread "
              "evenly over the eval set, `tools/english_text.py`); the yardstick is the original export in fp32 on onnxruntime CPU with "
@@ -343,7 +365,9 @@ def render(doc: dict[str, Any]) -> str:
               "tokens, the leading positions where the pair's argmax is the original's token are exactly the "
               "tokens the pair generates identically: until the first difference both feed the same tokens "
               "through the same calls (`tests/test_llm_trained.py` also runs `generate` itself). Fed the real "
-              f"text (the prompt and the text's next {s['new_tokens']} tokens), the same pass gives the perplexity.")
+              f"text (the prompt and the text's next {s['new_tokens']} tokens), the pass gives the perplexity; "
+              "that sequence is fed in prefill chunks only (the same causal logits as decode steps, "
+              "far fewer calls on the simulated HTP)." + _quant_note(doc))
     targets = (f"Targets: identical leading tokens ≥ {TARGETS['identical_leading_mean']} of 32 on average and "
                f"teacher-forced top-1 ≥ {_pct(TARGETS['fp16_teacher_forced_top1'])} in fp16; teacher-forced top-1 ≥ "
                f"{_pct(TARGETS['w8a16_teacher_forced_top1'])} and perplexity within "
@@ -439,6 +463,12 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             continue
         res["builds"][precision] = {"build_seconds": built["build_seconds"],
                                     "weight_sharing": built["manifest"]["weight_sharing"]}
+        if built["report"].get("quantization"):
+            q = built["report"]["quantization"]
+            with np.load(tf.DEFAULT_CACHE / f"{MODEL}.calib.npz") as calib:
+                sequences = int(calib["input_ids"].shape[0])
+            res["builds"][precision]["quantization"] = {**{k: q[k] for k in ("samples", "shared_tensors", "ties")},
+                                                        "sequences": sequences}
         if precision == "fp16":
             res["graphs"] = graph_rows(built)
         run_items, run_refs = items, refs
