@@ -321,7 +321,8 @@ def _speed_rows(doc: dict[str, Any]) -> list[str]:
             b = res["builds"][precision]
             rows.append(f"| {_name(name)} | {precision} | {b['build_seconds']} s | {b['weight_sharing']} | "
                         f"{r['load_seconds']} s | {r['prefill_seconds_mean']:.2f} s | "
-                        f"{r['decode_seconds_per_token_mean']:.2f} s |")
+                        + (f"{r['decode_seconds_per_token_mean']:.2f} s |" if key.endswith(":greedy") else
+                           "- (prefill calls only) |"))
     return rows
 
 
@@ -342,7 +343,11 @@ def _quant_note(doc: dict[str, Any]) -> str:
                              f"{q['shared_tensors']} tensors share one encoding) on {q['samples']['prefill']} prefill "
                              f"and {q['samples']['decode']} decode calls of the float pair over "
                              f"{q.get('sequences', '?')} windows of English text disjoint from the prompts', built in "
-                             f"{b['build_seconds']:.0f} s")
+                             f"{b['build_seconds']:.0f} s; outlier rewrites: "
+                             + ", ".join(f"{k} {v}" for k, v in q.get("outlier_rewrites", {}).items())
+                             + (" (rolled back: the pass manager's CPU check found the outputs beyond the pass's "
+                                "declared tolerance, so the graph kept its norm weights)"
+                                if "rolled-back" in q.get("outlier_rewrites", {}).values() else ""))
     return (" " + "; ".join(notes) + ".") if notes else ""
 
 
@@ -467,8 +472,10 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             q = built["report"]["quantization"]
             with np.load(tf.DEFAULT_CACHE / f"{MODEL}.calib.npz") as calib:
                 sequences = int(calib["input_ids"].shape[0])
+            outliers = {p["pass"]: p["status"] for p in q["graphs"]["prefill"]["prep_passes"]
+                        if p["pass"] in ("fold-norm-weights", "rotate-residual", "smooth-mlp")}
             res["builds"][precision]["quantization"] = {**{k: q[k] for k in ("samples", "shared_tensors", "ties")},
-                                                        "sequences": sequences}
+                                                        "sequences": sequences, "outlier_rewrites": outliers}
         if precision == "fp16":
             res["graphs"] = graph_rows(built)
         run_items, run_refs = items, refs
