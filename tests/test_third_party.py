@@ -85,5 +85,8 @@ def test_htp_llm_fully_on_htp_lossless_and_never_more_qnn_ops_than_the_best_peer
         assert ours["cpu_cosine"] >= MIN_COSINE
         assert ours["cpu_max_abs"] <= ATOL + RTOL * max(float(np.abs(v).max()) for v in reference.values())
     assert row["best_peer_qnn_ops"] is not None and ours["qnn_ops"] <= row["best_peer_qnn_ops"], row
+    if model.quantized:  # the model's own int8 arrays reach the integer-mode QDQ model unchanged
+        q = row["quantized_on_htp"]
+        assert q.get("model_int8_weights") and q["kept_bit_exact"] == q["model_int8_weights"], q
     if model_id not in FP16_OPEN:
         assert ours["htp_cosine"] is not None and ours["htp_cosine"] >= 0.999, ours

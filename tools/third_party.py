@@ -266,7 +266,8 @@ def measure_quantized(model: ThirdPartyModel, tmp: Path, feeds: dict[str, np.nda
     dq, qdq = tmp / f"{model.id}.dq.onnx", tmp / f"{model.id}.qdq.onnx"
     # weight-only-dq first: htp-llm then keeps every DequantizeLinear weight (run after htp-llm, the
     # attention projections are already folded to float and only the 12 MLP weights are found)
-    _cli("run", "-q", "--passes", "weight-only-dq,cleanup", str(model.path), "-o", str(dq), "--verify")
+    _cli("run", "-q", "--passes", "fix-shapes,weight-only-dq,cleanup", str(model.path), "-o", str(dq), "--verify",
+         *model.shape_args())
     calib = tmp / f"{model.id}.calib"
     calib.mkdir(exist_ok=True)
     ir = load_model(model.path)
@@ -339,6 +340,11 @@ def render(rows: list[dict[str, Any]], missing: list[ThirdPartyModel]) -> str:
             lines.append(f"| {r['id']} | {q['kept_bit_exact']} / {q['model_int8_weights']} | {q['dequantize_linear']} / "
                          f"{q['quantize_linear']} | {q['megabytes']} | {q['partitions']} | {q['cpu_nodes']} | "
                          f"{_cell(q['qnn_ops'])} | {_cell(q['htp_cosine'], '{:.5f}')} |")
+            if not q.get("ok"):
+                cpu = ", ".join(f"`{n}`" for n in q.get("cpu_node_names", [])[:4])
+                lines += ["", f"{r['id']} in integer mode does not run: {q.get('error', '')[:150]} (CPU nodes include {cpu}: "
+                          "`quantize` re-quantizes the `Cast -> Mul` embedding tables, which `weight-only-dq` leaves alone "
+                          "as it only reads MatMul/Gemm weights)."]
     if missing:
         lines += ["", "Not measured (package not installed): " + ", ".join(m.id for m in missing)]
     return "\n".join(lines) + "\n"
