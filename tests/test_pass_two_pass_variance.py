@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 from conftest import requires_htp
 from onnx import TensorProto, helper, numpy_helper
 

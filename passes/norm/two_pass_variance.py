@@ -7,8 +7,14 @@ and keepdims: ``ReduceMean``, or ``ReduceSum`` followed by ``Mul(1/N)`` / ``Div(
 N the (static) number of reduced elements.
 
 Produces ``ReduceMean(d * d)`` with ``d = x - ReduceMean(x)`` (keepdims, then a Reshape
-when the original dropped the reduced dims).  The two are the same function (the clamp is
-moot: a mean of squares is never negative); fp32 rounding differs at ~1e-7.
+when the original dropped the reduced dims); when the variance only feeds ``[Reshape ->]
+Add(eps) -> Sqrt -> Reciprocal`` (the usual ``rsqrt``), that whole chain becomes one
+row-scaled ``1/sqrt(mean(d^2) + eps)`` (see :func:`_scaled_rstd`) whose intermediates are
+normal fp16 numbers even for a variance or an eps below 6.1e-5, which the HTP flushes.
+The same function; the clamp is moot (a mean of squares is never negative).  Contract:
+approximate, because the *original* loses digits to fp32 cancellation (on magika up to 5%
+of a small variance against float64, outputs 2.5e-3 apart) where the two-pass form is
+accurate to ~1e-6: the rewrite moves the outputs by the original's own error.
 
 Why: in fp16 (the HTP) the one-pass form fails twice.  ``sum(x^2)`` overflows 65504 as
 soon as the row's energy does (magika: 512 values of |x| ~ 15), and where it does not, the
@@ -29,11 +35,18 @@ from qnnpasses.passes.norm._graph import make_reduce, reduce_axes
 from qnnpasses.passes.norm._match import squared_operand
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import FOLDED, Pass, PassContext, PassResult, approximate, register_pass
+from qnnpasses.passmanager.api import (
+    FOLDED,
+    Pass,
+    PassContext,
+    PassResult,
+    approximate,
+    register_pass,
+)
 from qnnpasses.passmanager.rewrite import (
-    make_constant,
     emit_reshape,
     finish,
+    make_constant,
     make_node,
     other_input,
     producer,
