@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -147,8 +148,13 @@ def probe_case(case: Case, workdir: Path) -> dict[str, Any]:
             "qnn_partitions": placement.qnn_partitions, "cpu_nodes": len(placement.cpu_nodes)}
 
 
+_PROBE_FILE = re.compile(r"\S*qnnpasses_agree_\w+/(\w+\.onnx)")
+
+
 def _clip(text: str) -> str:
-    text = text.replace("\n", " ")
+    # the probe's temporary folder is no part of the verdict (and no path of this machine belongs
+    # in the committed results)
+    text = _PROBE_FILE.sub(r"\1", text.replace("\n", " "))
     return text if len(text) <= REASON_LIMIT else text[: REASON_LIMIT - 3] + "..."
 
 
