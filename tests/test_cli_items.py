@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -256,13 +255,21 @@ def test_analyze_picture_labels_the_peak_and_the_layers(tmp_path, capsys):
 # --------------------------------------------------------------------------- the real backend
 
 
+def _fresh_cli(*argv) -> tuple[int, str, str]:
+    """The command in a new process: the backend logs its start-up lines only once per process,
+    so an in-process run after other backend tests may have nothing left to summarise."""
+    done = subprocess.run([sys.executable, "-m", "qnnpasses.cli", *map(str, argv)], capture_output=True, text=True,
+                          timeout=600)
+    return done.returncode, done.stdout, done.stderr
+
+
 @requires_htp
-def test_backend_log_is_captured_summarised_and_shown_with_v(htp_llm, capsys):
-    code, out, err = cli(capsys, "compare", TINY, htp_llm, "--on", "htp")
+def test_backend_log_is_captured_summarised_and_shown_with_v(htp_llm):
+    code, out, err = _fresh_cli("compare", TINY, htp_llm, "--on", "htp")
     assert code == 0 and "\x1b[" not in out + err and "LIBNATIVE" not in out + err
     assert re.search(r"the backend logged \d+ line\(s\).*; -v shows them", err)
     assert "preparing" in err  # progress
-    code, out, err = cli(capsys, "compare", TINY, htp_llm, "--on", "htp", "-v")
+    code, out, err = _fresh_cli("compare", TINY, htp_llm, "--on", "htp", "-v")
     assert code == 0 and "\x1b[" not in err and re.search(r"^backend: .*QnnEp", err, re.MULTILINE)
 
 

@@ -33,7 +33,7 @@ from qnnpasses.ir.model import IRModel
 from qnnpasses.partition import PartitionOptions, make_plan
 from qnnpasses.partition.extract import extract, save_partition
 from qnnpasses.partition.graph import NodeGraph, build_node_graph
-from qnnpasses.partition.memory import profiles
+from qnnpasses.partition.memory import min_max_cuts, profiles
 from qnnpasses.partition.plan import Partition, describe
 
 
@@ -83,25 +83,9 @@ def residual_boundaries(ng: NodeGraph, order: list[int], on_stream: set[str]) ->
 
 
 def _balanced(points: list[int], prefix: np.ndarray, parts: int) -> list[int]:
-    """``parts - 1`` cuts among ``points`` minimising the largest piece's weight (dynamic program)."""
-    bounds = [0, *points, len(prefix) - 1]
-    n, inf = len(bounds), float("inf")
-    cost = [[inf] * n for _ in range(parts + 1)]
-    back = [[-1] * n for _ in range(parts + 1)]
-    cost[0][0] = 0
-    for k in range(1, parts + 1):
-        for j in range(1, n):
-            for i in range(k - 1, j):
-                value = max(cost[k - 1][i], float(prefix[bounds[j]] - prefix[bounds[i]]))
-                if value < cost[k][j]:
-                    cost[k][j], back[k][j] = value, i
-    cuts, j = [], n - 1
-    for k in range(parts, 0, -1):
-        i = back[k][j]
-        if k > 1:
-            cuts.append(bounds[i])
-        j = i
-    return sorted(cuts)
+    """``parts - 1`` cuts among ``points`` minimising the largest piece's weight."""
+    cuts, _ = min_max_cuts([0, *points, len(prefix) - 1], parts, lambda a, b: float(prefix[b] - prefix[a]))
+    return cuts
 
 
 def _within(points: list[int], prefix: np.ndarray, peak: np.ndarray, budget: int) -> list[int] | None:

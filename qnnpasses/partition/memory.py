@@ -16,6 +16,7 @@ of a piece is the largest crossing set at any of its positions plus that node's 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -96,7 +97,7 @@ def _best_split(order, weights, peak_at, allowed: list[int], budget: int) -> Spl
     total = int(prefix[-1] + peak_at.max())
     best = None
     for k in range(max(2, math.ceil(total / max(budget, 1))), len(points)):
-        cuts, worst = _min_max_split(points, prefix, peak_at, k)
+        cuts, worst = min_max_cuts(points, k, lambda a, b: int(prefix[b] - prefix[a] + peak_at[a:b].max()))
         if cuts is None:
             continue
         best = (cuts, worst)
@@ -111,12 +112,13 @@ def _best_split(order, weights, peak_at, allowed: list[int], budget: int) -> Spl
     return SplitResult(pieces, sizes, max(sizes) <= budget)
 
 
-def _min_max_split(points: list[int], prefix: np.ndarray, peak_at: np.ndarray, k: int):
-    """Choose k-1 interior points minimising the largest piece: O(k·n²) dynamic program."""
+def min_max_cuts(points: list[int], k: int, size: Callable[[int, int], float]) -> tuple[list[int] | None, float | None]:
+    """Split ``points[0]..points[-1]`` into ``k`` consecutive pieces at interior ``points`` so that
+    the largest ``size(start, end)`` is smallest: O(k·n²) dynamic program.  Returns the sorted
+    cuts and that largest size, or ``(None, None)`` when ``k`` pieces do not fit."""
     n = len(points)
     if k > n - 1:
         return None, None
-    size = lambda i, j: int(prefix[points[j]] - prefix[points[i]] + peak_at[points[i]:points[j]].max())
     inf = float("inf")
     cost = [[inf] * n for _ in range(k + 1)]
     back = [[-1] * n for _ in range(k + 1)]
@@ -126,7 +128,7 @@ def _min_max_split(points: list[int], prefix: np.ndarray, peak_at: np.ndarray, k
             for i in range(parts - 1, j):
                 if cost[parts - 1][i] == inf:
                     continue
-                value = max(cost[parts - 1][i], size(i, j))
+                value = max(cost[parts - 1][i], size(points[i], points[j]))
                 if value < cost[parts][j]:
                     cost[parts][j], back[parts][j] = value, i
     if cost[k][n - 1] == inf:
