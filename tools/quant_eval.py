@@ -76,14 +76,16 @@ def write_data(out: Path, eval_windows: int, calib_windows: int) -> dict[str, di
 
 #: Precision names: ``w8a16`` / ``w4a16`` (int4 gets MSE scales), then optional ``mse`` (MSE scales
 #: for int8 too), ``r<k>`` (the k layers with the lowest weight SQNR raised: 16-bit weights in w8a16,
-#: 8-bit in w4a16; qnnpasses.quant.sensitivity) and ``b<B>`` (int4 blocks of B rows).
-PRECISION_RE = re.compile(r"^(w8a16|w4a16)(mse)?(?:r(\d+))?(?:b(\d+))?$")
+#: 8-bit in w4a16; qnnpasses.quant.sensitivity), ``b<B>`` (int4 blocks of B rows) and ``gptq`` / ``gptqa``
+#: (GPTQ rounding on the calibration windows; ``gptqa`` in act-order; qnnpasses.quant.gptq).
+PRECISION_RE = re.compile(r"^(w8a16|w4a16)(mse)?(?:r(\d+))?(?:b(\d+))?(gptqa|gptq)?$")
+ROUNDINGS = {"gptq": "gptq", "gptqa": "gptq-act"}
 
 
 def precision_fields(precision: str) -> dict:
     m = PRECISION_RE.match(precision)
     if not m:
-        raise SystemExit(f"bad precision '{precision}' (w8a16|w4a16, then mse, r<k>, b<B>)")
+        raise SystemExit(f"bad precision '{precision}' (w8a16|w4a16, then mse, r<k>, b<B>, gptq|gptqa)")
     fields = {"act": "uint16", "weights": "int4" if m[1] == "w4a16" else "int8"}
     if m[1] == "w4a16" or m[2]:
         fields["weight_scales"] = "mse"
@@ -91,6 +93,8 @@ def precision_fields(precision: str) -> dict:
         fields["raise"] = int(m[3])
     if m[4]:
         fields["block_size"] = int(m[4])
+    if m[5]:
+        fields["weight_rounding"] = ROUNDINGS[m[5]]
     return fields
 
 
@@ -107,7 +111,7 @@ def parse_cell(cell: str) -> tuple[str, str, str]:
     precision, _, extra = rest.partition("+")
     names = {n.split("_")[0]: n for n in tf.SPECS}
     if model not in names or not PRECISION_RE.match(precision) or extra not in REWRITES:
-        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision w8a16|w4a16[mse][r<k>][b<B>], +rot)")
+        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision w8a16|w4a16[mse][r<k>][b<B>][gptq|gptqa], +rot)")
     return names[model], precision, extra
 
 

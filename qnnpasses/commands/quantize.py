@@ -36,6 +36,10 @@ def register(subparsers) -> None:
     parser.add_argument("--weight-scales", choices=("minmax", "mse"), default=None,
                         help="per-channel weight scales from max|w| or the MSE-optimal clip "
                              "(default mse for int4, minmax otherwise)")
+    parser.add_argument("--weight-rounding", choices=("nearest", "gptq", "gptq-act"), default="nearest",
+                        help="round weights to nearest, or with GPTQ: each input row's rounding error is "
+                             "compensated by the rows after it, using the layer inputs of the --calib data "
+                             "(gptq-act: rows in decreasing input energy); needs per-channel weights")
     parser.add_argument("--outliers", default="rotate", metavar="none|rotate|SPEC",
                         help="exact rewrites against activation outliers before quantization: rotate = "
                              "fold-norm-weights,rotate-residual (default; models without a pre-norm residual "
@@ -82,7 +86,8 @@ def _policy(args) -> PrecisionPolicy:
     return PrecisionPolicy(act=args.act, weights=args.weights, per_channel=args.per_channel,
                            sensitive_bits=16 if args.sensitive_16bit else None, sensitive=sensitive,
                            kv_bits=args.kv_bits, calibrate_method=args.calib_method, block_size=args.block_size,
-                           weight_scales=scales, outliers=outlier_spec(args.outliers))
+                           weight_scales=scales, weight_rounding=args.weight_rounding,
+                           outliers=outlier_spec(args.outliers))
 
 
 def _sensitivity(args, policy: PrecisionPolicy, tmp: Path):
@@ -165,7 +170,9 @@ def main(args) -> int:
     if result.weights:
         w = result.weights
         print(f"  weight scales: {w['refined']} refined ({policy.weight_scales}; squared error x{w['mse_after_over_before']})"
-              + (f", {w['blocked']} block-wise" if policy.block_size else ""))
+              + (f", {w['blocked']} block-wise" if policy.block_size else "")
+              + (f"; {policy.weight_rounding} rounding of {w['gptq']}: calibration output error "
+                 f"x{w['output_error_gptq_over_nearest']} of round-to-nearest" if w.get("gptq") else ""))
     if args.evaluate:
         report["evaluation"] = _evaluate(args, out, policy)
     if args.report:

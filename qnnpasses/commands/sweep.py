@@ -28,6 +28,9 @@ def register(subparsers) -> None:
     parser.add_argument("--outliers", default="none", metavar="LIST",
                         help="outlier-rewrite axis, comma-separated: none, rotate (fold-norm-weights,rotate-residual); "
                              "e.g. none,rotate repeats every cell with and without (default none)")
+    parser.add_argument("--weight-rounding", default="nearest", metavar="LIST",
+                        help="weight-rounding axis, comma-separated: nearest, gptq, gptq-act (see qnnpasses "
+                             "quantize); e.g. nearest,gptq repeats every per-channel cell with GPTQ (default nearest)")
     parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None, help="KV cache width in every cell")
     parser.add_argument("--eval-samples", type=int, default=None, metavar="N", help="evaluate at most this many samples per cell")
     parser.add_argument("--pipeline", default="htp-llm", metavar="NAME|SPEC", help="pipeline run first (default htp-llm)")
@@ -54,7 +57,8 @@ def main(args) -> int:
     from qnnpasses.commands.quantize import outlier_spec
 
     policies = grid(args.weights, args.kv_bits, int4=args.int4,
-                    outliers=tuple(outlier_spec(o.strip()) for o in args.outliers.split(",") if o.strip()))
+                    outliers=tuple(outlier_spec(o.strip()) for o in args.outliers.split(",") if o.strip()),
+                    rounding=tuple(r.strip() for r in args.weight_rounding.split(",") if r.strip()))
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:

@@ -26,6 +26,7 @@ The modules:
 * :mod:`~qnnpasses.quant.policy` -- which tensors get 16 bit, per-channel weights, int4, KV width;
 * :mod:`~qnnpasses.quant.driver` -- htp-llm + quantization-prep + outlier rewrites + onnxruntime's QNN recipe;
 * :mod:`~qnnpasses.quant.weights` -- MSE-optimal weight scales and block-wise int4, after the recipe;
+* :mod:`~qnnpasses.quant.gptq` -- GPTQ rounding on those grids from the layers' calibration inputs;
 * :mod:`~qnnpasses.quant.shared` -- several graphs, one calibration plan; the named precisions;
 * :mod:`~qnnpasses.quant.sensitivity` -- per-layer SQNR, raising the weakest layers until a target;
 * :mod:`~qnnpasses.quant.evaluate` -- fp32 on CPU vs QDQ on the HTP: cosine, top-1, perplexity;

@@ -15,6 +15,8 @@ Steps (``qnnpasses quantize``):
    ranges of every completed chunk instead of merging them).  ``ForceQuantizeNoInputCheck`` makes ops whose
    other operands are constants (the mask ``Where(cond, 0, -M)``) quantize them too: the
    HTP has no float ``Select`` in integer mode ("could not create op: q::Select").
+   Then :func:`~qnnpasses.quant.weights.refine_weights` rewrites the weight encodings when
+   the policy asks (MSE scales, int4 blocks, GPTQ rounding on the calibration data).
 4. **Record.**  ``qnnpasses.quantization`` in the output's metadata (the policy as JSON),
    and the plan as converter overrides (:mod:`qnnpasses.quant.overrides`) when asked.
 """
@@ -44,6 +46,7 @@ from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import get_pipeline, named_pipelines
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
+from qnnpasses.quant.gptq import GptqConfig
 from qnnpasses.quant.policy import Plan, PrecisionPolicy, make_plan
 from qnnpasses.quant.weights import refine_weights
 
@@ -143,7 +146,8 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
                    output: str | os.PathLike, policy: PrecisionPolicy | None = None, *,
                    shapes: dict[str, list[int]] | None = None, keep_prepared: str | os.PathLike | None = None,
                    run_prep: bool = True, pipeline: str = "htp-llm",
-                   ranges: dict[str, tuple[float, float]] | None = None) -> QuantizeResult:
+                   ranges: dict[str, tuple[float, float]] | None = None,
+                   gptq_source: tuple[str | os.PathLike, CalibrationData] | None = None) -> QuantizeResult:
     """Prepare, plan and quantize ``model`` into the QDQ model ``output`` (see the module docs).
 
     ``pipeline`` (a name or a textual pipeline) runs first unless the model says one already ran.
@@ -151,7 +155,9 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
     as in a sweep); ``keep_prepared`` writes the prepared float model there (the model the
     converter overrides name).  ``ranges`` fixes the calibrated range of activation tensors
     (``{name: (min, max)}``, see :func:`qnnpasses.quant.shared.quantize_graphs`); when it covers
-    the graph, calibration reads one sample only.
+    the graph, calibration reads one sample only.  ``gptq_source`` (float model, calibration data):
+    where GPTQ rounding (``policy.weight_rounding``) takes its layer inputs, when not from this
+    graph and ``calib`` (graphs sharing weights round them on the same inputs).
     """
     start = time.monotonic()
     policy = policy or PrecisionPolicy()
@@ -185,9 +191,13 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
         finally:
             os.chdir(cwd)
         refined = {}
-        if policy.weight_scales == "mse" or policy.block_size:
+        if policy.weight_scales == "mse" or policy.block_size or policy.weight_rounding != "nearest":
+            gptq = None
+            if policy.weight_rounding != "nearest":
+                source, data = gptq_source or (prepared, calib)
+                gptq = GptqConfig(data, act_order=policy.weight_rounding == "gptq-act", source=source)
             refined = refine_weights(out, prepared, mse=policy.weight_scales == "mse",
-                                     block_size=policy.block_size).as_dict()
+                                     block_size=policy.block_size, gptq=gptq).as_dict()
     _stamp(out, prep, policy)
     return QuantizeResult(out, policy, plan, prep, time.monotonic() - start, len(calib), refined)
 

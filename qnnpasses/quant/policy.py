@@ -55,6 +55,9 @@ WEIGHT_TYPES = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8, "int16": Qua
                 "uint16": QuantType.QUInt16, "int4": QuantType.QInt4}
 #: Weight scale search (:mod:`qnnpasses.quant.weights`): min/max, or the per-channel MSE-optimal clip.
 WEIGHT_SCALES = ("minmax", "mse")
+#: Weight rounding on those grids: to nearest, or GPTQ (:mod:`qnnpasses.quant.gptq`; ``gptq-act``:
+#: input channels in decreasing order of their calibration energy, the paper's act-order).
+WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-act")
 _SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 _SCORE_OPS = {"Add", "Mul", "Div", "Sub", "Where", "Reshape", "Transpose", "Cast"}
 _NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
@@ -76,6 +79,8 @@ class PrecisionPolicy:
     calibrate_method: str = "minmax"
     block_size: int | None = None
     weight_scales: str = "minmax"
+    #: ``nearest`` or GPTQ (``gptq``, ``gptq-act``) on calibration data: see :data:`WEIGHT_ROUNDINGS`.
+    weight_rounding: str = "nearest"
     #: MatMul/Gemm nodes raised above the plan: 8-bit weights in an int4 plan, 16-bit outputs in an a8 one,
     #: 16-bit weights in a w8a16 one.
     raised: tuple[str, ...] = ()
@@ -95,6 +100,11 @@ class PrecisionPolicy:
             raise BadInputError("--block-size needs per-channel weights")
         if self.weight_scales not in WEIGHT_SCALES:
             raise BadInputError(f"--weight-scales must be one of {', '.join(WEIGHT_SCALES)} (got '{self.weight_scales}')")
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise BadInputError(f"--weight-rounding must be one of {', '.join(WEIGHT_ROUNDINGS)} "
+                                f"(got '{self.weight_rounding}')")
+        if self.weight_rounding != "nearest" and (not self.per_channel or self.weights == "uint8"):
+            raise BadInputError("--weight-rounding gptq needs per-channel symmetric weights (int4, int8 or int16)")
         self.raised = tuple(self.raised)
         unknown = set(self.sensitive) - set(CATEGORIES)
         if unknown:
@@ -137,6 +147,7 @@ class PrecisionPolicy:
         kv = f" kv{self.kv_bits}" if self.kv_bits else ""
         gran = f"b{self.block_size}" if self.block_size else ("pc" if self.per_channel else "pt")
         extra = (" mse" if self.weight_scales == "mse" else "") + (f" +{len(self.raised)}" if self.raised else "") \
+            + (f" {self.weight_rounding}" if self.weight_rounding != "nearest" else "") \
             + (" rot" if "rotate" in self.outliers else " smooth" if self.outliers else "")
         return f"w{self.weights}-{gran} a{self.act_bits} s{sens}{kv}{extra}"
 

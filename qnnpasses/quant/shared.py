@@ -13,7 +13,8 @@ tensor has ONE encoding:
    (``{"present.0.key": "past_key_values.0.key"}``: the prefill output that becomes the
    decode input), gets the union of its ranges in every graph;
 4. every graph is quantized with its merged ranges fixed (weights are quantized from the
-   same float values by the same rule, so shared weights get identical encodings).
+   same float values by the same rule, so shared weights get identical encodings; GPTQ
+   rounding takes every graph's layer inputs from the first graph and its data, for the same reason).
 
 Precisions (:data:`PRECISIONS`): ``w8a16`` (int8 per-channel weights, 16-bit activations)
 and ``w4a16`` (int4 per-channel weights with MSE-optimal scales, lm_head at 8 bit).
@@ -139,9 +140,11 @@ def quantize_graphs(models: Mapping[str, str | os.PathLike | IRModel],
             prepared[name] = path
             ranges[name] = calibrate_ranges(path, data[name])
         merged, shared = merge_ranges(ranges, ties)
+        first = next(iter(prepared))  # GPTQ rounds every graph's weights on the first graph's inputs
         results = {}
         for name, path in prepared.items():
             results[name] = quantize_model(path, data[name], outputs[name], replace(policy, outliers=""),
-                                           run_prep=False, ranges=merged[name])
+                                           run_prep=False, ranges=merged[name],
+                                           gptq_source=(prepared[first], data[first]))
             results[name].prep.records = records[name] + results[name].prep.records
     return SharedResult(results, shared)

@@ -1,8 +1,8 @@
 """The precision grid: every cell quantized, run on the real HTP backend and scored.
 
 Cells: weights per-tensor | per-channel  x  activations 8 | 16 bit  x  sensitive tensors
-(:mod:`qnnpasses.quant.policy`) 8 | 16 bit (optionally also w4a16, and each cell with and
-without the outlier rewrites of ``passes/outliers``), after a baseline cell: uniform uint8 (uint8
+(:mod:`qnnpasses.quant.policy`) 8 | 16 bit (optionally also w4a16, each cell with and
+without the outlier rewrites of ``passes/outliers``, and the per-channel cells with GPTQ rounding), after a baseline cell: uniform uint8 (uint8
 per-tensor weights, every activation 8 bit), the plain form of onnxruntime's QNN recipe.  The graph is prepared once (``htp-llm`` and the
 quantization-prep passes, calibrated on the calibration set) and every cell quantizes that
 prepared model with its own plan, then runs on the HTP in integer mode
@@ -33,21 +33,33 @@ from qnnpasses.quant.policy import PrecisionPolicy
 
 
 def grid(weights: str = "int8", kv_bits: int | None = None, baseline: bool = True, *, int4: bool = False,
-         outliers: tuple[str, ...] = ("",)) -> list[PrecisionPolicy]:
+         outliers: tuple[str, ...] = ("",), rounding: tuple[str, ...] = ("nearest",)) -> list[PrecisionPolicy]:
     """The 8 cells (per-tensor first), after the uniform uint8 baseline (uint8 per-tensor weights) when asked.
 
     ``int4``: also the w4a16 cells (int4 per-channel weights with MSE scales, 16-bit activations,
     16-bit sensitive tensors), one per outlier rewrite.  ``outliers``: textual pipelines of
-    outlier rewrites (``""`` = none); every cell of the grid is repeated for each.
+    outlier rewrites (``""`` = none); every cell of the grid is repeated for each.  ``rounding``:
+    weight roundings (:data:`~qnnpasses.quant.policy.WEIGHT_ROUNDINGS`); each one other than
+    ``nearest`` repeats the per-channel symmetric cells (GPTQ needs per-channel grids).
     """
+    from qnnpasses.errors import BadInputError
+    from qnnpasses.quant.policy import WEIGHT_ROUNDINGS
+
+    bad = [r for r in rounding if r not in WEIGHT_ROUNDINGS]
+    if bad or not rounding:
+        raise BadInputError(f"--weight-rounding must list {', '.join(WEIGHT_ROUNDINGS)} (got '{','.join(rounding)}')")
     cells = []
     for spec in outliers:
-        cells += [PrecisionPolicy(act=act, weights=weights, per_channel=pc, sensitive_bits=sens, kv_bits=kv_bits,
-                                  outliers=spec)
-                  for pc in (False, True) for act in ("uint8", "uint16") for sens in (8, 16)]
-        if int4:
-            cells.append(PrecisionPolicy(act="uint16", weights="int4", weight_scales="mse", kv_bits=kv_bits,
-                                         outliers=spec))
+        for mode in rounding:
+            gptq = mode != "nearest"
+            if not (gptq and weights == "uint8"):
+                cells += [PrecisionPolicy(act=act, weights=weights, per_channel=pc, sensitive_bits=sens,
+                                          kv_bits=kv_bits, outliers=spec, weight_rounding=mode)
+                          for pc in ((True,) if gptq else (False, True)) for act in ("uint8", "uint16")
+                          for sens in (8, 16)]
+            if int4:
+                cells.append(PrecisionPolicy(act="uint16", weights="int4", weight_scales="mse", kv_bits=kv_bits,
+                                             outliers=spec, weight_rounding=mode))
     if baseline and weights != "uint8":
         cells.insert(0, PrecisionPolicy(act="uint8", weights="uint8", per_channel=False, sensitive_bits=8,
                                         kv_bits=kv_bits))
@@ -170,7 +182,9 @@ def markdown(result: SweepResult) -> str:
         sens = p["sensitive_bits"] or (16 if p["act"] == "uint16" else 8)
         ppl = "-" if c.perplexity is None else f"{c.perplexity:.2f} ({c.reference_perplexity:.2f})"
         mark = " **best**" if best is not None and c is best else ""
-        lines.append(f"| {c.label}{mark} | {p['weights']} {'per-channel' if p['per_channel'] else 'per-tensor'} | "
+        rounding = p.get("weight_rounding", "nearest")
+        lines.append(f"| {c.label}{mark} | {p['weights']} {'per-channel' if p['per_channel'] else 'per-tensor'}"
+                     f"{'' if rounding == 'nearest' else ', ' + rounding} | "
                      f"{p['act']} | {sens}-bit | {p.get('outliers') or 'none'} | {_f(c.qnn_partitions, 'd')} | "
                      f"{_f(c.cpu_nodes, 'd')} | "
                      f"{_f(c.cosine, '.6f')} | {_f(c.max_abs, '.4g')} | {_f(c.top1, '.1%')} | {ppl} | {c.status} |")

@@ -15,10 +15,15 @@ in place of the quantizer's values:
 The float weights come from the float model that was quantized (same initializer names).
 Only weights of MatMul/Gemm without a bias input are touched (a bias would be int32 at
 ``s_x·s_w`` and would have to follow).
+
+``gptq``: the same grids (scales chosen the same way), rounded by GPTQ
+(:mod:`qnnpasses.quant.gptq`) instead of to nearest; the report then carries GPTQ's output
+error on the calibration inputs over round-to-nearest's.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +31,8 @@ import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from qnnpasses.quant.gptq import GptqConfig, gptq_round, weight_hessians, weighted_error
 
 STEPS = 50
 _QMAX = {TensorProto.INT4: 7, TensorProto.INT8: 127, TensorProto.INT16: 32767}
@@ -38,10 +45,20 @@ class RefineReport:
     blocked: int = 0
     not_blockable: list[str] = field(default_factory=list)  # per-channel kept (K not a multiple of B)
     mse_gain: float = 1.0  # total squared error after / before
+    rounding: str = "nearest"
+    gptq: int = 0  # weights rounded by GPTQ
+    #: GPTQ's calibration output error Σ||X·(W - Ŵ)||² over round-to-nearest's on the same grid
+    output_error_gain: float | None = None
+    hessian_seconds: float = 0.0
+    gptq_seconds: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"refined": self.refined, "blocked": self.blocked, "not_blockable": self.not_blockable,
-                "mse_after_over_before": round(self.mse_gain, 4)}
+        out = {"refined": self.refined, "blocked": self.blocked, "not_blockable": self.not_blockable,
+               "mse_after_over_before": round(self.mse_gain, 4), "rounding": self.rounding}
+        if self.gptq:
+            out.update(gptq=self.gptq, output_error_gptq_over_nearest=round(self.output_error_gain, 4),
+                       hessian_seconds=round(self.hessian_seconds, 1), gptq_seconds=round(self.gptq_seconds, 1))
+        return out
 
 
 def _search(w: np.ndarray, qmax: int, mse: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -81,8 +98,11 @@ def quantize_weight(w: np.ndarray, axis: int, dtype: int, *, mse: bool, block_si
 
 
 def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool = True,
-                   block_size: int | None = None) -> RefineReport:
-    """Rewrite the per-channel weight encodings of ``qdq_path`` (in place); see the module docs."""
+                   block_size: int | None = None, gptq: GptqConfig | None = None) -> RefineReport:
+    """Rewrite the per-channel weight encodings of ``qdq_path`` (in place); see the module docs.
+
+    ``gptq``: round with GPTQ (:mod:`qnnpasses.quant.gptq`) on the same grid instead of to nearest.
+    """
     model = onnx.load(str(qdq_path))
     floats = onnx.load(str(float_model), load_external_data=False)
     float_inits = {i.name: i for i in floats.graph.initializer}
@@ -92,8 +112,7 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, i))
-    report = RefineReport()
-    before = after = 0.0
+    jobs: dict[str, tuple] = {}  # float weight name -> (DequantizeLinear, axis)
     for node in model.graph.node:
         if node.op_type != "DequantizeLinear" or node.input[0] not in inits or len(node.input) < 3:
             continue
@@ -106,18 +125,34 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
                 or any(u.op_type not in ("MatMul", "Gemm") or i != 1 or len(u.input) > 2 for u, i in users):
             continue
         fname = node.input[0].removesuffix("_quantized")
-        if fname not in float_inits:
-            continue
+        if fname in float_inits:
+            jobs[fname] = (node, axis)
+    report = RefineReport(rounding="gptq" + ("-act" if gptq and gptq.act_order else "") if gptq else "nearest")
+    totals = {"before": 0.0, "after": 0.0, "out_nearest": 0.0, "out_gptq": 0.0}
+
+    def refine(fname: str, h: np.ndarray | None) -> None:
+        node, axis = jobs.pop(fname)
+        qinit, sinit, zinit = inits[node.input[0]], inits[node.input[1]], inits[node.input[2]]
         w = numpy_helper.to_array(float_inits[fname], base_dir=str(base)).astype(np.float32)
         old_s = numpy_helper.to_array(sinit).astype(np.float64)
         qmax = _QMAX[qinit.data_type]
         wt = np.moveaxis(w.astype(np.float64), axis, 1)
-        before += float(_err(wt, old_s, qmax).sum())
+        totals["before"] += float(_err(wt, old_s, qmax).sum())
         blocks = block_size if qinit.data_type == TensorProto.INT4 else None  # 8-bit weights stay per channel
         q, scale, new_axis, block, err = quantize_weight(w, axis, qinit.data_type, mse=mse, block_size=blocks)
-        after += float(err)
         if blocks and not block:
             report.not_blockable.append(fname)
+        if h is not None:
+            near = (q if block else np.moveaxis(q, axis, 1)) * (np.repeat(scale, block, axis=0) if block else scale)
+            qg, sg = gptq_round(wt, h, qmax, block_size=block or None, mse=mse, act_order=gptq.act_order,
+                                damp=gptq.damp)
+            got = qg * (np.repeat(sg.astype(np.float64), block, axis=0) if block else sg.astype(np.float64))
+            totals["out_nearest"] += weighted_error(wt, near, h)
+            totals["out_gptq"] += weighted_error(wt, got, h)
+            err = float(((wt - got) ** 2).sum())
+            q, scale = (qg, sg) if block else (np.moveaxis(qg, 1, axis), sg)
+            report.gptq += 1
+        totals["after"] += float(err)
         npdt = _NUMPY[qinit.data_type]
         if block and axis != 1:  # blocks were cut in [K, N] coordinates: back to the weight's layout
             q, scale = np.moveaxis(q, 1, axis), scale.T
@@ -131,7 +166,23 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
             node.attribute.append(helper.make_attribute("block_size", block))
             report.blocked += 1
         report.refined += 1
-    report.mse_gain = after / before if before else 1.0
+
+    if gptq is not None:
+        from qnnpasses.progress import step
+
+        step(f"GPTQ: collecting input Hessians of {len(jobs)} weight(s) on {len(gptq.calib)} sample(s)")
+        for chunk in weight_hessians(gptq, float_model, set(jobs)):
+            report.hessian_seconds += chunk.seconds
+            start = time.monotonic()
+            for fname, h in chunk.hessians.items():
+                if fname in jobs:
+                    refine(fname, h)
+            report.gptq_seconds += time.monotonic() - start
+    for fname in list(jobs):  # no calibration input found (or nearest rounding)
+        refine(fname, None)
+    report.mse_gain = totals["after"] / totals["before"] if totals["before"] else 1.0
+    if totals["out_nearest"]:
+        report.output_error_gain = totals["out_gptq"] / totals["out_nearest"]
     onnx.save(model, str(qdq_path), save_as_external_data=_needs_external(model),
               location=Path(qdq_path).name + ".data" if _needs_external(model) else None)
     return report
