@@ -148,8 +148,9 @@ def leading_from_teacher_forcing(argmax: np.ndarray, prompt_len: int, tokens: li
     return count
 
 
-def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str) -> dict[str, Any]:
-    """The pair on the HTP, one teacher-forced pass per prompt.
+def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str, on: str = "htp") -> dict[str, Any]:
+    """The pair on the HTP (``on="cpu"``: the same graphs on onnxruntime CPU, a proxy for a
+    quantized pair that takes minutes instead of the simulator's tens), one teacher-forced pass per prompt.
 
     ``mode`` "greedy": the prompt + the original's greedy tokens (identical leading tokens,
     teacher-forced top-1; continuation through the decode graph); "text": the prompt + the real
@@ -157,9 +158,9 @@ def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str) -> di
     from qnnpasses.llm.runner import Runner
 
     start = time.perf_counter()
-    runner = Runner(folder, on="htp")
+    runner = Runner(folder, on=on)
     runner.open()
-    result: dict[str, Any] = {"mode": mode, "load_seconds": round(time.perf_counter() - start, 2), "prompts": []}
+    result: dict[str, Any] = {"mode": mode, "on": on, "load_seconds": round(time.perf_counter() - start, 2), "prompts": []}
     for item, ref in zip(items, refs):
         before = {k: list(v) for k, v in runner.timings.items()}
         fed = ref["tokens"][:-1] if mode == "greedy" else item["text"]
@@ -206,12 +207,17 @@ def summarize(result: dict[str, Any], refs: list[dict]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- building
 
 
-def build_pair(export: Path, out: Path, precision: str, context: int, prefill: int, reuse: bool) -> dict[str, Any]:
-    """``qnnpasses llm`` (or the folder of an earlier run with ``reuse``): manifest + report."""
+def build_pair(export: Path, out: Path, precision: str, context: int, prefill: int, reuse: bool,
+               compile: bool = True) -> dict[str, Any]:
+    """``qnnpasses llm`` (or the folder of an earlier run with ``reuse``): manifest + report.
+
+    An earlier quantized pair is reused only when it was made by the current quantization
+    recipe (:data:`qnnpasses.llm.quantize.RECIPE`) and, when ``compile``, is compiled."""
     import qnnpasses.passes  # noqa: F401 - registers the passes
 
     from qnnpasses.llm.convert import build
     from qnnpasses.llm.manifest import load_manifest
+    from qnnpasses.llm.quantize import RECIPE
 
     manifest_path = out / "llm.json"
     seconds = None
@@ -219,10 +225,15 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
     if fresh:
         old = load_manifest(out)
         fresh = (old["context"], old["prefill"], old["precision"], old["source"]) == (context, prefill, precision, export.name)
+        report = json.loads((out / "report.json").read_text())
+        if precision != "fp16":
+            fresh = fresh and (report.get("quantization") or {}).get("recipe") == RECIPE
+        if compile:
+            fresh = fresh and all(p.get("compiled") for g in old["graphs"].values() for p in g["parts"])
     if not fresh:
         start = time.monotonic()
         calib = tf.DEFAULT_CACHE / f"{MODEL}.calib.npz" if precision != "fp16" else None
-        build(export, out, context=context, prefill=prefill, precision=precision, calib=calib)
+        build(export, out, context=context, prefill=prefill, precision=precision, calib=calib, compile=compile)
         seconds = round(time.monotonic() - start, 1)
     report = json.loads((out / "report.json").read_text())
     return {"manifest": load_manifest(out), "report": report, "build_seconds": seconds or report.get("seconds")}
@@ -285,6 +296,11 @@ def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
                 margins = [f"{d['fp32_margin']:.3f}" for row in r["prompts"] for d in row.get("differs_at", [])]
                 differ = f"{len(margins)}: " + ", ".join(margins) if margins else "none"
             rows.append(f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {differ} | {ppl} |")
+        for key, r in res.get("cpu_runs", {}).items():
+            precision = key.split(":")[0]
+            rows.append(f"| {_name(name)} | {precision}, CPU proxy (the same QDQ graphs on onnxruntime CPU) | "
+                        f"prompt + real text | - | {_pct(r['top1'])} of {r['positions']} ({len(r['prompts'])} prompts) | - | "
+                        f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f}) |")
         for precision in res.get("not_run", []):
             rows.append(f"| {_name(name)} | {precision} | not measured in this run | | | | |")
     return rows
@@ -460,7 +476,7 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             res["not_run"].append(precision)
             continue
         try:
-            built = build_pair(export, out, precision, args.context, args.prefill, args.reuse)
+            built = build_pair(export, out, precision, args.context, args.prefill, args.reuse, compile="htp" in args.on)
         except Exception as exc:  # noqa: BLE001 - one failed build is a reported result, not the end of the run
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             log.warning("%s %s: build failed: %s", exporter, precision, error)
@@ -472,8 +488,9 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             q = built["report"]["quantization"]
             with np.load(tf.DEFAULT_CACHE / f"{MODEL}.calib.npz") as calib:
                 sequences = int(calib["input_ids"].shape[0])
-            outliers = {p["pass"]: p["status"] for p in q["graphs"]["prefill"]["prep_passes"]
-                        if p["pass"] in ("fold-norm-weights", "rotate-residual", "smooth-mlp")}
+            passes = q.get("outlier_rewrites") or [p for p in q["graphs"]["prefill"]["prep_passes"]
+                                                   if p["pass"] in ("fold-norm-weights", "rotate-residual", "smooth-mlp")]
+            outliers = {p["pass"]: p["status"] for p in passes}
             res["builds"][precision]["quantization"] = {**{k: q[k] for k in ("samples", "shared_tensors", "ties")},
                                                         "sequences": sequences, "outlier_rewrites": outliers}
         if precision == "fp16":
@@ -485,7 +502,8 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             if any(i["window"] not in windows for i in run_items):
                 raise SystemExit("--quantized-prompts must pick a subset of the fp16 prompts' windows")
             run_refs = [refs[windows.index(i["window"])] for i in run_items]
-        for mode in RUNS[precision] + (("text",) if precision == "fp16" and args.fp16_text else ()):
+        for mode in (RUNS[precision] + (("text",) if precision == "fp16" and args.fp16_text else ())
+                     if "htp" in args.on else ()):
             log.info("%s %s: teacher-forced on the HTP (%s)", exporter, precision, mode)
             run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
                        "prefill": args.prefill, "mode": mode, "built": built["report"].get("seconds")}
@@ -499,6 +517,16 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                 divergences(value, run_items, run_refs, ties)
             value["windows"] = [i["window"] for i in run_items]
             res["runs"][f"{precision}:{mode}"] = value
+        if "cpu" in args.on and precision != "fp16":  # the CPU proxy: the same QDQ graphs on onnxruntime CPU
+            log.info("%s %s: teacher-forced on onnxruntime CPU (text)", exporter, precision)
+            run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
+                       "prefill": args.prefill, "mode": "text", "on": "cpu", "built": built["report"].get("seconds")}
+            compute = None if args.render_only else (
+                lambda out=out, it=run_items, rf=run_refs: pair_run(out, it, rf, "text", on="cpu"))
+            value = _cached(out / "eval_text_cpu.json", run_key, args.reuse, compute)
+            if value is not None:
+                value["windows"] = [i["window"] for i in run_items]
+                res.setdefault("cpu_runs", {})[f"{precision}:text"] = value
     return res
 
 
@@ -515,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fewer prompts for w8a16/w4a16 (a subset of the fp16 prompts' windows)")
     parser.add_argument("--quantized-exporters",
                         help="build and measure w8a16/w4a16 only for these exporters (comma-separated; default all)")
+    parser.add_argument("--on", default="htp",
+                        help="htp (the simulated HTP), cpu (quantized pairs' QDQ graphs on onnxruntime CPU: a proxy, "
+                             "minutes instead of the simulator's tens; builds without compiling) or htp,cpu")
     parser.add_argument("--fp16-text", action="store_true", help="also score the real text in fp16 (perplexity)")
     parser.add_argument("--work", type=Path, default=tf.DEFAULT_CACHE.parent / "llm_eval",
                         help="where the pairs and partial results go (default: next to the trained-fixture cache)")
@@ -529,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     reason = tf.SPECS[MODEL].missing()
     if reason:
         raise SystemExit(f"cannot evaluate: {reason}")
+    args.on = args.on.split(",")
+    if not args.on or set(args.on) - {"htp", "cpu"}:
+        parser.error("--on takes htp, cpu or htp,cpu")
     unknown = set(args.precisions.split(",")) - set(RUNS)
     if unknown:
         parser.error(f"unknown precisions {sorted(unknown)}")

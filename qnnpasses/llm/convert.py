@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from qnnpasses.errors import BadInputError, CheckFailedError
+from qnnpasses.ir.kv_roles import Roles, find_roles
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
-from qnnpasses.ir.kv_roles import Roles, find_roles
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.passmanager.spec import parse_pipeline

@@ -20,10 +20,14 @@ import numpy as np
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
 from qnnpasses.llm.verify import PartsRunner, static_feed
 
 #: calibration samples kept per graph
 MAX_SAMPLES = 64
+#: what a quantized pair's report records as ``quantization.recipe``; bumped when the way a pair is
+#: quantized changes (2: outlier rewrites applied to both graphs at once, see :mod:`qnnpasses.llm.outliers`)
+RECIPE = 2
 
 
 def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
@@ -128,36 +132,66 @@ def calibration_samples(folder: Path, manifest: dict[str, Any], sequences: np.nd
 
 
 def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, Any]:
-    """Quantize ``folder/{prefill,decode}.onnx`` in place (the float graphs stay as ``*.float.onnx``)."""
+    """Quantize ``folder/{prefill,decode}.onnx`` in place (the float graphs stay as ``*.float.onnx``).
+
+    The precision's outlier rewrites run first on both float graphs at once
+    (:func:`qnnpasses.llm.outliers.rewrite_pair`: the same rewrite in both or in neither,
+    verified as exact in float64 and in fp32 on real calls), then
+    :func:`~qnnpasses.quant.shared.quantize_graphs` quantizes the rewritten pair without
+    running them again."""
     try:
-        from qnnpasses.quant.shared import PRECISIONS, quantize_graphs
+        from qnnpasses.quant.shared import PRECISIONS, precision_policy, quantize_graphs
     except ImportError:
         raise BadInputError(f"{options.precision}: not available yet") from None
     if options.precision not in PRECISIONS:
         raise BadInputError(f"{options.precision}: not available yet")
+    from qnnpasses.llm.outliers import REAL_SAMPLES, rewrite_pair
+    from qnnpasses.quant.calibration import CalibrationData, model_inputs
+
     source_ids = manifest["source_roles"]["input_ids"]
     sequences = load_token_sequences(options.calib, source_ids)
     ties = {}
     for graph in manifest["graphs"].values():
         roles = graph["roles"]
         ties.update(zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]))
-    models, calib, outputs = {}, {}, {}
+    policy = PRECISIONS[options.precision]
+    models, calib, outputs, floats = {}, {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="qnnpasses-llm-calib-") as tmp:
         samples = calibration_samples(folder, manifest, sequences, Path(tmp))
+        real = {}
         for name, graph in manifest["graphs"].items():
             part = graph["parts"][0]
-            float_path = folder / part["onnx"].replace(".onnx", ".float.onnx")
-            (folder / part["onnx"]).rename(float_path)
-            models[name] = load_model(float_path)
+            source = folder / part["onnx"]
+            floats[name] = _keep_float(source)
+            ir = load_model(floats[name])
             calib[name] = Path(tmp) / name
-            outputs[name] = folder / part["onnx"]
-        result = quantize_graphs(models, calib, outputs, precision=options.precision, ties=ties)
+            real[name] = CalibrationData(calib[name], model_inputs(ir)).head(REAL_SAMPLES)
+            outputs[name] = source
+            del ir
+        rewritten, records = floats, []
+        if policy.outliers:
+            rewritten, records = rewrite_pair(floats, policy.outliers, real, Path(tmp) / "outliers")
+        models = {name: load_model(path) for name, path in rewritten.items()}
+        result = quantize_graphs(models, calib, outputs, policy=precision_policy(options.precision, outliers=""),
+                                 ties=ties)
     for name, graph in manifest["graphs"].items():
         quantized = load_model(outputs[name])
         names = {t.name for t in list(quantized.graph.inputs) + list(quantized.graph.outputs)}
         if names != set(graph["io"]):
             raise BadInputError(f"quantizing the {name} graph changed its interface: {sorted(names ^ set(graph['io']))}")
-        graph["float_onnx"] = graph["parts"][0]["onnx"].replace(".onnx", ".float.onnx")
-    return {"precision": options.precision, "samples": samples,
-            "shared_tensors": len(result.shared_tensors), "ties": len(ties),
+        graph["float_onnx"] = floats[name].name
+    return {"precision": options.precision, "recipe": RECIPE, "samples": samples,
+            "shared_tensors": len(result.shared_tensors), "ties": len(ties), "outlier_rewrites": records,
             "graphs": {k: r.as_dict() for k, r in result.results.items()}}
+
+
+def _keep_float(path: Path) -> Path:
+    """Move the float graph ``X.onnx`` to ``X.float.onnx`` with its own weights file (``X.float.onnx.data``
+    when external): the quantized graph written as ``X.onnx`` must not overwrite the float one's data."""
+    target = path.with_name(path.name.replace(".onnx", ".float.onnx"))
+    ir = load_model(path)
+    save_model(ir, target)
+    del ir
+    for old in (path, path.with_name(path.name + ".data")):
+        old.unlink(missing_ok=True)
+    return target

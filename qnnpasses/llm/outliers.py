@@ -1,0 +1,239 @@
+"""The outlier rewrites of a quantized pair: one rewrite for both graphs, verified as exact in float64.
+
+``--precision w8a16|w4a16`` runs ``fold-norm-weights,rotate-residual`` (``passes/outliers``)
+before calibrating, as ``qnnpasses quantize`` does for one graph.  For a prefill + decode pair
+:func:`rewrite_pair` applies them here, not per graph inside the quantizer, because of two
+things the pass manager's per-graph check cannot know:
+
+* **Both graphs or neither.**  The graphs hold copies of the same weights and pass the KV
+  cache to each other; a rewrite kept in one graph and rolled back in the other would give
+  them different weights (no shared context, no shared encodings).  Each pass runs on both
+  graphs, the constants the two graphs share by name must come out identical, and a pass
+  that fails its check on either graph is rolled back on both.
+* **Whose rounding the check measures.**  The manager verifies every rewrite in fp32 on
+  synthetic inputs: seeded ``N(0, 1)`` past K/V under an all-ones mask, the same scaled
+  by 1,000, masked variants.  A trained pair is ill-conditioned on such caches: on
+  SmolLM2-135M the *original* graph's own fp32 result differs from its float64 result by
+  up to 1.4x the EXACT bound (``1e-4 + 1e-4·max|ref|``) on the random cache and ~6,000x on
+  the scaled one (prefill), and flipping every weight by one ulp moves the logits past the
+  bound.  Any rewrite that changes where fp32 rounds fails there, so ``fold-norm-weights``
+  (EXACT) was rolled back on the pair while it applies on the single-graph model, whose
+  only inputs are token ids.
+
+So each pass is verified with its own contract's tolerance (EXACT: the manager's tight
+``atol/rtol/min_cosine``) in two ways, on every graph:
+
+1. **float64** -- the graph before and after the pass, converted to double precision
+   (:func:`float64_model`; the rewritten constants keep the fp32 values the pass wrote), on
+   the manager's synthetic cases and on real calls of the pair: a rewrite that is exact up
+   to the fp32 storage of its constants agrees to far below the bound (measured: < 0.25 of
+   it for both passes on SmolLM2-135M); a wrong one (a misplaced scale, a non-orthogonal
+   matrix) does not, whatever the inputs;
+2. **fp32 on real calls** -- the graph as deployed (fp32) on the first :data:`REAL_SAMPLES`
+   calibration calls of the float pair (real caches the graphs themselves wrote).
+
+The fp32 comparison on the synthetic cases and the original's own fp32-vs-float64 deviation
+there are recorded next to the verdict (``synthetic_fp32``, ``fp32_floor``), not enforced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from qnnpasses.backends.cpu import (
+    ATOL,
+    MIN_COSINE,
+    RTOL,
+    VerificationCase,
+    compare_outputs,
+    verification_cases,
+)
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import IRModel, save_model
+
+#: real calls of each graph the fp32 check runs on (the first calibration samples)
+REAL_SAMPLES = 4
+CASE_REAL = "given"
+
+
+def float64_model(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with every float32 initializer, constant, value type and Cast target in float64 (in place)."""
+    graph = proto.graph
+    for init in graph.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+    for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if info.type.tensor_type.elem_type == TensorProto.FLOAT:
+            info.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+            elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float64), attr.t.name))
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                raise ValueError(f"{node.op_type} '{node.name}' holds a subgraph: not converted to float64")
+    return proto
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run_cases(path: Path, cases: list[VerificationCase], *, float64: bool = False,
+              work: Path | None = None) -> list[dict[str, np.ndarray]]:
+    """The outputs of the model at ``path`` on every case (``float64``: of its double-precision copy,
+    written into ``work``; float inputs are widened, outputs kept in float64)."""
+    if float64:
+        proto = float64_model(onnx.load(str(path)))
+        wide = Path(work or path.parent) / f"{path.stem}.f64.onnx"
+        onnx.save(proto, str(wide), save_as_external_data=True, location=wide.name + ".data")
+        del proto
+        session = _session(wide)
+    else:
+        session = _session(path)
+    names = [o.name for o in session.get_outputs()]
+    wanted = {i.name for i in session.get_inputs()}
+    outputs = []
+    for case in cases:
+        feed = {k: (v.astype(np.float64) if float64 and v.dtype == np.float32 else v)
+                for k, v in case.inputs.items() if k in wanted}
+        outputs.append(dict(zip(names, session.run(names, feed))))
+    del session
+    if float64:
+        for f in (wide, wide.with_name(wide.name + ".data")):
+            f.unlink(missing_ok=True)
+    return outputs
+
+
+def constant_digests(ir: IRModel) -> dict[str, str]:
+    """Name -> digest of the values of every constant tensor (what two graphs' shared weights hold)."""
+    import onnx_graphsurgeon as gs
+
+    out = {}
+    for name, tensor in ir.graph.tensors().items():
+        if isinstance(tensor, gs.Constant):
+            value = np.ascontiguousarray(tensor.values)
+            out[name] = hashlib.sha1(value.tobytes() + str(value.dtype).encode()).hexdigest()
+    return out
+
+
+def _worst(reference: list[dict[str, np.ndarray]], got: list[dict[str, np.ndarray]], cases: list[VerificationCase],
+           tolerance: tuple[float, float, float], which: set[str] | None = None) -> dict[str, Any]:
+    """Per case: max abs, the fraction of the bound it uses, cosine, ok; and the overall verdict."""
+    atol, rtol, min_cosine = tolerance
+    rows, ok, failure = {}, True, ""
+    for case, ref, new in zip(cases, reference, got):
+        if which is not None and case.name not in which:
+            continue
+        label = case.name if case.name != CASE_REAL else f"{case.name} ({case.detail})"
+        comparison = compare_outputs(ref, new, atol=atol, rtol=rtol, min_cosine=min_cosine, nan_is_undefined=True)
+        used = max((float(np.nanmax(np.abs(np.asarray(ref[k], np.float64) - np.asarray(new[k], np.float64))))
+                    / (atol + rtol * float(np.nanmax(np.abs(ref[k])))) for k in ref if np.asarray(ref[k]).dtype.kind == "f"),
+                   default=0.0)
+        rows[label] = {"max_abs": comparison.max_abs, "of_bound": round(used, 6), "cosine": comparison.cosine,
+                       "ok": comparison.ok}
+        if not comparison.ok and ok:
+            ok, failure = False, f"[{label}] {comparison.failure()[:400]}"
+    return {"ok": ok, "cases": rows, **({"failure": failure} if failure else {}),
+            "tolerance": {"atol": atol, "rtol": rtol, "min_cosine": min_cosine}}
+
+
+def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[str, np.ndarray]]],
+                 work: Path) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """Run the passes of ``spec`` (comma-separated) on the float graphs ``paths`` (name -> .onnx),
+    each pass on every graph alike and kept only when every graph passes the checks of the module
+    docs.  ``real``: per graph, real inputs of its calls.  Returns the resulting graph files
+    (written into ``work``; the originals where nothing changed) and one record per pass."""
+    import qnnpasses.passes  # noqa: F401 - registers the passes
+    from qnnpasses.passmanager.api import get_pass
+    from qnnpasses.passmanager.manager import PassManager, RunConfig
+    from qnnpasses.passmanager.spec import parse_pipeline
+
+    work.mkdir(parents=True, exist_ok=True)
+    current = dict(paths)
+    cases: dict[str, list[VerificationCase]] = {}
+    out32: dict[str, list[dict[str, np.ndarray]]] = {}
+    out64: dict[str, list[dict[str, np.ndarray]]] = {}
+    digests: dict[str, dict[str, str]] = {}
+    for name, path in current.items():
+        ir = load_model(path)
+        digests[name] = constant_digests(ir)
+        cases[name] = verification_cases(ir, 0) + [
+            VerificationCase(CASE_REAL, dict(sample), f"real call {i}") for i, sample in enumerate(real[name][:REAL_SAMPLES])]
+        del ir
+        out32[name] = run_cases(path, cases[name])
+        out64[name] = run_cases(path, cases[name], float64=True, work=work)
+    records = []
+    for step, pass_name in enumerate(p.strip() for p in spec.split(",") if p.strip()):
+        contract = get_pass(pass_name).contract
+        tolerance = contract.tolerance(ATOL, RTOL, MIN_COSINE)
+        record: dict[str, Any] = {"pass": pass_name, "status": "unchanged", "stats": {}, "reason": "",
+                                  "contract": contract.describe(), "graphs": {}}
+        after, new_digests, statuses = {}, {}, {}
+        for name, path in current.items():
+            ir = load_model(path)
+            result = PassManager(parse_pipeline(pass_name), RunConfig()).run(ir)
+            rec = result.records[0]
+            statuses[name] = rec.status
+            record["stats"][name] = rec.stats
+            if rec.status == "changed":
+                new_digests[name] = constant_digests(ir)
+                after[name] = save_model(ir, work / f"{name}.{step + 1}.onnx", external_data=True)
+            elif rec.reason or rec.notes:
+                record["reason"] = rec.reason or "; ".join(rec.notes)
+            del ir
+        records.append(record)
+        if not after:
+            continue
+        if set(after) != set(current):
+            record.update(status="rolled-back", reason=f"changed {sorted(after)} but not "
+                          f"{sorted(set(current) - set(after))} ({statuses}): the graphs would hold different weights")
+            continue
+        shared = _shared(digests, new_digests)
+        differ = sorted(n for n in shared if len({d[n] for d in new_digests.values()}) > 1)
+        if differ:
+            record.update(status="rolled-back", reason=f"{len(differ)} constants the graphs share by name came out "
+                          f"different (first: {differ[0]})")
+            continue
+        record["shared_constants_identical"] = len(shared)
+        new32, new64, ok = {}, {}, True
+        for name, path in after.items():
+            new32[name] = run_cases(path, cases[name])
+            new64[name] = run_cases(path, cases[name], float64=True, work=work)
+            synthetic = {c.name for c in cases[name] if c.name != CASE_REAL}
+            checks = {"float64": _worst(out64[name], new64[name], cases[name], tolerance),
+                      "real_fp32": _worst(out32[name], new32[name], cases[name], tolerance, {CASE_REAL})}
+            record["graphs"][name] = {**checks,
+                                      "synthetic_fp32": _worst(out32[name], new32[name], cases[name], tolerance, synthetic),
+                                      "fp32_floor": _worst(out64[name], out32[name], cases[name], tolerance, synthetic)}
+            for kind, check in checks.items():
+                if not check["ok"] and ok:
+                    ok = False
+                    record["reason"] = f"{name} graph, {kind}: {check['failure']}"
+        if not ok:
+            record["status"] = "rolled-back"
+            continue
+        record["status"] = "changed"
+        current, out32, out64, digests = after, new32, new64, new_digests
+    return current, records
+
+
+def _shared(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]) -> set[str]:
+    """Constants every graph should hold alike after a pass: those they held alike before (same name,
+    same values) and those the pass created in every graph."""
+    names = set.intersection(*(set(d) for d in after.values()))
+    old = set.intersection(*(set(d) for d in before.values()))
+    alike = {n for n in old if len({d[n] for d in before.values()}) == 1}
+    return {n for n in names if n in alike or n not in old}

@@ -1,0 +1,213 @@
+"""The outlier rewrites of a quantized pair (`qnnpasses llm --precision w8a16`), on a random-weight
+KV-cache fixture whose norms are given trained-like per-channel scales (the committed fixture's
+norm weights are all ones, where fold-norm-weights has nothing to do).
+
+- both rewrites apply to both graphs (not rolled back), with identical weights in the two graphs;
+- the rewritten float pair, driven as the runner drives it (prompt in padded prefill chunks, then
+  decode steps), matches the original dynamic export on CPU: logits and new K/V within
+  1e-4 + 1e-4·max|ref| (the pass manager's EXACT bound; the rotation leaves K/V unchanged);
+- each pass is verified in float64 on the manager's synthetic cases (fold-norm-weights within
+  1% of the EXACT bound, measured ~0.4%) and in fp32 on real calls;
+- a rewrite that is not exact, or that applies to one graph only, is rolled back on both;
+- the quantized pair stays 1 QNN partition with 0 CPU nodes on the HTP (when the backend is here).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import fixture_path, htp_backend_available
+from onnx import numpy_helper
+
+from qnnpasses.llm.manifest import load_manifest, part_paths
+
+CONTEXT, PREFILL = 256, 16
+HTP = htp_backend_available()
+NAME = "llama_gqa_kv_dyn_ts"
+
+
+def _with_norm_scales(src: Path, dst: Path, seed: int = 0) -> Path:
+    """``src`` with every RMSNorm weight (all ones, one shared initializer in the TorchScript export)
+    replaced by its own per-channel scale in [0.3, 3] plus one outlier channel at 7 (SmolLM2's
+    final-norm scale spans 0.2-7)."""
+    model = onnx.load(str(src))
+    inits = {i.name: i for i in model.graph.initializer}
+    rng = np.random.default_rng(seed)
+    count = 0
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in inits and "norm" in name and len(inits[name].dims) == 1:
+                gamma = rng.uniform(0.3, 3.0, inits[name].dims[0]).astype(np.float32)
+                gamma[rng.integers(0, gamma.size)] = 7.0
+                new = numpy_helper.from_array(gamma, f"{name}.{count}")
+                model.graph.initializer.append(new)
+                node.input[k] = new.name
+                count += 1
+    assert count >= 5  # 2 layers x 2 norms + the final norm
+    onnx.save(model, str(dst))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    return _with_norm_scales(fixture_path(NAME), tmp_path_factory.mktemp("scaled") / "scaled.onnx")
+
+
+@pytest.fixture(scope="module")
+def float_pair(export, tmp_path_factory):
+    from qnnpasses.llm.convert import build
+
+    out = tmp_path_factory.mktemp("float") / "pair"
+    build(export, out, context=CONTEXT, prefill=PREFILL, compile=False, probe=False)
+    return load_manifest(out)
+
+
+@pytest.fixture(scope="module")
+def real_calls(float_pair, tmp_path_factory):
+    """Per graph, the inputs of real calls of the float pair (caches it wrote itself)."""
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.llm.quantize import calibration_samples
+    from qnnpasses.quant.calibration import CalibrationData, model_inputs
+
+    out = tmp_path_factory.mktemp("calls")
+    sequences = np.random.default_rng(4).integers(0, float_pair["vocab"], (2, 48))
+    calibration_samples(Path(float_pair["dir"]), float_pair, sequences, out, limit=4)
+    calls = {}
+    for name in ("prefill", "decode"):
+        ir = load_model(part_paths(float_pair, name, compiled=False)[0])
+        calls[name] = CalibrationData(out / name, model_inputs(ir)).head(4)
+    return calls
+
+
+def _rewrite(float_pair, real_calls, spec, work):
+    from qnnpasses.llm.outliers import rewrite_pair
+
+    paths = {g: part_paths(float_pair, g, compiled=False)[0] for g in ("prefill", "decode")}
+    return rewrite_pair(paths, spec, real_calls, work)
+
+
+def test_outlier_rewrites_apply_to_both_graphs_and_keep_the_pair_exact(export, float_pair, real_calls, tmp_path):
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.llm.outliers import constant_digests
+    from qnnpasses.llm.verify import compare_sequence
+
+    paths, records = _rewrite(float_pair, real_calls, "fold-norm-weights,rotate-residual", tmp_path / "work")
+    assert [(r["pass"], r["status"]) for r in records] == [("fold-norm-weights", "changed"),
+                                                           ("rotate-residual", "changed")], records
+    for record in records:
+        for graph in ("prefill", "decode"):
+            checks = record["graphs"][graph]
+            assert checks["float64"]["ok"] and checks["real_fp32"]["ok"]
+            assert {"random", "masked", "extreme", "given (real call 0)"} <= set(checks["float64"]["cases"])
+    fold = records[0]
+    assert fold["stats"]["prefill"]["folded"] == fold["stats"]["decode"]["folded"] == 5
+    assert max(c["of_bound"] for g in ("prefill", "decode") for c in fold["graphs"][g]["float64"]["cases"].values()) < 0.01
+    assert records[1]["stats"]["decode"]["rotated"] == 1
+    # the two graphs hold the same rewritten weights: every constant the rewrites created is identical in both
+    created = {}
+    for graph in ("prefill", "decode"):
+        before = constant_digests(load_model(part_paths(float_pair, graph, compiled=False)[0]))
+        after = constant_digests(load_model(paths[graph]))
+        created[graph] = {n: digest for n, digest in after.items() if n not in before}
+    assert len(created["prefill"]) >= 2 * 4 + 1 + 5  # projections (4 per layer) + embedding + unit norm scales
+    assert created["prefill"] == created["decode"]
+    # the rewritten pair, driven like the runner drives it, still computes the original export
+    rotated = tmp_path / "rotated"
+    rotated.mkdir()
+    manifest = json.loads((Path(float_pair["dir"]) / "llm.json").read_text())
+    for graph in ("prefill", "decode"):
+        target = rotated / f"{graph}.onnx"
+        shutil.copy(paths[graph], target)
+        if paths[graph].with_name(paths[graph].name + ".data").exists():
+            shutil.copy(paths[graph].with_name(paths[graph].name + ".data"), rotated / f"{paths[graph].name}.data")
+        manifest["graphs"][graph]["parts"][0]["onnx"] = target.name
+    (rotated / "llm.json").write_text(json.dumps(manifest))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, float_pair["vocab"], 37)]
+    result = compare_sequence(rotated, load_manifest(rotated), export, prompt, new_tokens=6)
+    assert result["calls"] == 3 + 5
+    assert result["logits"] <= 1e-4 + 1e-4 * result["logits_scale"], result
+    assert result["kv"] <= 1e-4 + 1e-4 * result["kv_scale"], result
+
+
+def test_a_rewrite_that_is_not_exact_or_not_in_both_graphs_is_rolled_back_on_both(float_pair, real_calls, tmp_path):
+    from dataclasses import dataclass
+
+    from qnnpasses.passmanager.api import EXACT, Pass, PassResult, register_pass
+    from qnnpasses.passmanager.rewrite import constant_value, make_constant
+
+    def first_projection(ir):
+        return next(n for n in ir.graph.nodes if n.op == "MatMul" and constant_value(n.inputs[1]) is not None)
+
+    @register_pass
+    class ScaleOneProjection(Pass):  # claims EXACT, changes a projection's weights by 0.1%
+        name = "test-scale-one-projection"
+        summary = "W -> 1.001·W on the first projection (not exact)"
+        contract = EXACT
+
+        @dataclass
+        class Options:
+            pass
+
+        def run(self, ir, ctx):
+            node = first_projection(ir)
+            node.inputs[1] = make_constant(ir, ctx, "scaled_w", constant_value(node.inputs[1]) * np.float32(1.001))
+            return PassResult(changed=True)
+
+    @register_pass
+    class PrefillOnly(Pass):  # an exact rewrite (W -> W·1, renamed) that matches the prefill graph only
+        name = "test-prefill-only"
+        summary = "renames a projection weight where 16 tokens come in"
+        contract = EXACT
+
+        @dataclass
+        class Options:
+            pass
+
+        def run(self, ir, ctx):
+            if ir.graph.inputs[0].shape[-1] != PREFILL:
+                return PassResult(changed=False)
+            node = first_projection(ir)
+            node.inputs[1] = make_constant(ir, ctx, "renamed_w", constant_value(node.inputs[1]).copy())
+            return PassResult(changed=True)
+
+    originals = {g: part_paths(float_pair, g, compiled=False)[0] for g in ("prefill", "decode")}
+    try:
+        paths, records = _rewrite(float_pair, real_calls, "test-scale-one-projection,test-prefill-only", tmp_path / "w")
+    finally:  # the test passes are no part of the registry other tests see
+        from qnnpasses.passmanager import api
+
+        for name in (ScaleOneProjection.name, PrefillOnly.name):
+            api._REGISTRY.pop(name, None)
+            api._ORIGINS.pop(name, None)
+    assert [r["status"] for r in records] == ["rolled-back", "rolled-back"], records
+    assert "float64" in records[0]["reason"] or "real_fp32" in records[0]["reason"]
+    assert "but not ['decode']" in records[1]["reason"]
+    assert paths == originals
+
+
+def test_quantized_pair_applies_the_rewrites_and_stays_on_the_htp(export, tmp_path):
+    from qnnpasses.llm.convert import build
+
+    calib = tmp_path / "tokens.npz"
+    np.savez(calib, input_ids=np.random.default_rng(4).integers(0, 256, (4, 40)))
+    manifest = build(export, tmp_path / "pair", context=CONTEXT, prefill=PREFILL, precision="w8a16",
+                     calib=str(calib), compile=False, probe=HTP)
+    report = json.loads((Path(manifest["dir"]) / "report.json").read_text())
+    quantization = report["quantization"]
+    assert {r["pass"]: r["status"] for r in quantization["outlier_rewrites"]} == {
+        "fold-norm-weights": "changed", "rotate-residual": "changed"}
+    for graph in ("prefill", "decode"):  # the quantizer did not run them again on the rewritten graphs
+        assert not [p for p in quantization["graphs"][graph]["prep_passes"] if p["pass"] in ("fold-norm-weights",
+                                                                                              "rotate-residual")]
+        float_graph = onnx.load(str(Path(manifest["dir"]) / manifest["graphs"][graph]["float_onnx"]))
+        assert len(float_graph.graph.node) > 0  # the float graph is kept whole (its own weights file)
+    assert report["quantized_verification"]["top1"] >= 0.9  # random weights, CPU
+    if HTP:  # integer mode, boundary Q/DQ on the HTP too: one partition, no CPU node (fallback disabled)
+        for graph in ("prefill", "decode"):
+            part = report["htp"][graph]["parts"][0]
+            assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), part
