@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -71,6 +72,9 @@ def main(args) -> int:
         raise BadInputError("--dump-ir needs --report-dir")
     shapes = parse_shape_args(args.shape)
     ir = load_model(args.model)
+    # this process ends with the run: the loaded graph (tens of thousands of linked nodes and
+    # tensors) need not be rescanned by every cyclic collection the passes trigger
+    gc.freeze()
     _check_shape_names(ir, shapes)
     if args.target_opset is not None and ir.opset > args.target_opset:
         raise BadInputError(f"{args.model} already uses opset {ir.opset}, above --target-opset {args.target_opset}")
