@@ -195,10 +195,10 @@ def test_shared_graphs_round_shared_weights_the_same(data, tmp_path):
     from qnnpasses.quant import quantize_graphs
 
     outs = {"a": tmp_path / "a.qdq.onnx", "b": tmp_path / "b.qdq.onnx"}
-    policy = PrecisionPolicy(weights="int4", weight_scales="mse", weight_rounding="gptq", outliers="")
     result = quantize_graphs({"a": fixture_path(LLAMA), "b": fixture_path(LLAMA)},
-                             {"a": data / "calib.npz", "b": data / "eval.npz"}, outs, policy=policy)
-    assert result.results["b"].weights["gptq"] >= 14
+                             {"a": data / "calib.npz", "b": data / "eval.npz"}, outs, precision="w4a16-gptq")
+    weights = result.results["b"].weights
+    assert weights["gptq"] >= 14 and weights["blocked"] == 14 and weights["output_error_gptq_over_nearest"] < 0.85
     a, b = _dequantized(outs["a"]), _dequantized(outs["b"])
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
 

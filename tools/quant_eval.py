@@ -293,6 +293,30 @@ def _same_windows(results: dict, cell: str, windows: dict) -> dict | None:
     return summarize(cell, {**entry, "windows": {k: entry["windows"][k] for k in windows}})
 
 
+def _gptq_lines(rows: list[dict], curve: list[dict]) -> list[str]:
+    """One line per GPTQ cell: its scores next to the same cell rounded to nearest."""
+    lines = []
+    for kind, cells in (("HTP", rows), ("CPU proxy", curve)):
+        by = {r["cell"]: r for r in cells}
+        for r in cells:
+            if "gptq" not in r["precision"]:
+                continue
+            base = by.get(re.sub(r"gptqa?(?=\+|$)", "", r["cell"]))
+            ratio = (r.get("weights") or {}).get("output_error_gptq_over_nearest")
+            err = f"; output error ×{ratio:.3f} of nearest" if ratio is not None else ""
+            if "top1" not in r:
+                continue
+            if base is None:
+                lines.append(f"- `{r['cell']}` ({kind}, {r['windows']} windows): top-1 {r['top1']:.1%}, perplexity "
+                             f"ratio {r['ppl_ratio']:.3f}×, logits cosine {r['cosine']:.5f}{err} (no nearest-rounding "
+                             "cell measured)." )
+                continue
+            lines.append(f"- `{r['cell']}` ({kind}, {r['windows']} / {base['windows']} windows): top-1 "
+                         f"{base['top1']:.1%} -> {r['top1']:.1%}, perplexity ratio {base['ppl_ratio']:.3f}× -> "
+                         f"{r['ppl_ratio']:.3f}×, logits cosine {base['cosine']:.5f} -> {r['cosine']:.5f}{err}.")
+    return lines
+
+
 def render(results: dict) -> str:
     rows = [summarize(c, e) for c, e in sorted(results.get("cells", {}).items())]
     any_cell = next(iter(results.get("cells", {}).values()), {})
@@ -322,7 +346,12 @@ def render(results: dict) -> str:
     lines += ["", ("Plans (`qnnpasses.quant`): w8a16 = int8 per-channel weights, 16-bit activations, embedding / lm_head / "
               "Q·Kᵀ / softmax / norm tensors at 16 bit; w4a16 = the same with int4 per-channel projection weights and "
               "MSE-optimal scales, the lm_head and every non-projection constant at int8; `r<k>`: the k layers with "
-              "the lowest weight SQNR on calibration data raised (16-bit weights in w8a16, 8-bit in w4a16). "
+              "the lowest weight SQNR on calibration data raised (16-bit weights in w8a16, 8-bit in w4a16); "
+              "`b<B>`: int4 scales per block of B input rows; `gptq`: GPTQ rounding (Frantar et al. 2022, "
+              "`qnnpasses.quant.gptq`) on the same grids, each layer's Hessian from its fp32 inputs on the calibration "
+              "windows (non-sequential: inputs from the float rotated model, not from the already-quantized layers), "
+              "1% dampening, lazy batches of 128 rows, block scales chosen as GPTQ reaches each block; `gptqa`: the "
+              "same in act-order (rows by decreasing input energy, block scales from the float weight). "
               "Projections stay 2-D for quantization (`layout{head_proj=false}`) so every one gets per-channel scales."),
               "", ("MiniLM is a post-norm encoder: its LayerNorm output is the residual stream itself, so "
               "`rotate-residual` refuses it (nothing to rotate) and its cells are the same with or without it."),
@@ -336,6 +365,12 @@ def render(results: dict) -> str:
             lines.append(f"- {model} {precision}: top-1 {base['top1']:.1%} -> {r['top1']:.1%}, perplexity ratio "
                          f"{base['ppl_ratio']:.3f}× -> {r['ppl_ratio']:.3f}×, logits cosine {base['cosine']:.5f} -> "
                          f"{r['cosine']:.5f} (windows {base['windows']} / {r['windows']}).")
+    gptq = _gptq_lines(rows, [summarize(c, e) for c, e in sorted(results.get("cpu_curve", {}).items())])
+    if gptq:
+        lines += ["", "## What GPTQ rounding changes", "",
+                  ("Each GPTQ cell against the same cell rounded to nearest (same grid, same windows kind); "
+                   "`output error` is Σ‖X·(W - Ŵ)‖² of the GPTQ-rounded weights over round-to-nearest's, on the "
+                   "calibration inputs X (every weight the plan rounds, the int8 lm_head included)."), "", *gptq]
     lines += ["", "## Targets", ""]
     groups: dict = {}
     for r in rows:
@@ -350,11 +385,17 @@ def render(results: dict) -> str:
             verdict.append(f"{k} {best[k]:.4f} ({'met' if ok else f'short of {v} by {abs(best[k] - v):.4f}'})")
         lines.append(f"- {model} {precision}: best measured cell `{best['cell']}` over {best['windows']} windows: "
                      + "; ".join(verdict) + ".")
-    if any(r.get("met") is False and r["precision"].startswith("w4a16") for r in rows):
-        lines += ["", ("Why w4a16 falls short: SmolLM2-135M has small projections (576-wide) whose per-channel int4 "
-                  "grids lose too much; the CPU-proxy rows below show each lever measured here (the rotation, "
-                  "32-row int4 blocks, raising the weakest layers to 8 bit) helping without closing the gap. "
-                  "Not measured here: error-compensating rounding (GPTQ / SeqMSE) and learned rotations (SpinQuant).")]
+    w4 = [r for r in rows if "met" in r and r["precision"].startswith("w4a16")]
+    if w4 and not any(r["met"] for r in w4):
+        measured_gptq = any("gptq" in r["precision"] for r in rows)
+        lines += ["", ("Why w4a16 falls short: SmolLM2-135M has small projections (576-wide) whose int4 "
+                  "grids lose too much; the rows here show each lever measured (the rotation, "
+                  "32-row int4 blocks, raising the weakest layers to 8 bit"
+                  + (", GPTQ rounding" if measured_gptq else "") + ") helping without closing the gap. "
+                  + ("Not measured here: sequential GPTQ (each layer calibrated on the outputs of the quantized "
+                     "layers before it), SeqMSE and learned rotations (SpinQuant)." if measured_gptq else
+                     "Not measured here: error-compensating rounding (GPTQ / SeqMSE) and learned rotations "
+                     "(SpinQuant)."))]
     curve = [summarize(c, e) for c, e in sorted(results.get("cpu_curve", {}).items())]
     if curve:
         lines += ["", "## Choosing the plan: the same QDQ models on onnxruntime CPU (proxy, not the HTP)", "",
@@ -393,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--data", type=Path, default=DEFAULT_DATA)
     c.add_argument("--results", type=Path, required=True)
     p = sub.add_parser("report", help="render docs/quant_llm.md and .json from the results")
-    p.add_argument("--results", type=Path, required=True, nargs="+", help="results files of the runs, merged")
+    p.add_argument("--results", type=Path, required=True, nargs="+",
+                   help="results files of the runs, merged (docs/quant_llm.json counts: it keeps its raw results)")
     p.add_argument("--docs", type=Path, default=TOOLS_DIR.parent / "docs")
     p.add_argument("--notes", type=Path, help="a JSON list of measured findings (lines) to append")
     args = parser.parse_args(argv)
@@ -424,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     for path in args.results:
         part = json.loads(path.read_text())
+        part = part.get("raw", part)  # docs/quant_llm.json carries the results it was rendered from
         for cell, entry in part.pop("cells", {}).items():
             mine = results.setdefault("cells", {}).setdefault(cell, {"windows": {}, "placements": []})
             mine["windows"].update(entry.pop("windows"))

@@ -16,8 +16,10 @@ tensor has ONE encoding:
    same float values by the same rule, so shared weights get identical encodings; GPTQ
    rounding takes every graph's layer inputs from the first graph and its data, for the same reason).
 
-Precisions (:data:`PRECISIONS`): ``w8a16`` (int8 per-channel weights, 16-bit activations)
-and ``w4a16`` (int4 per-channel weights with MSE-optimal scales, lm_head at 8 bit).
+Precisions (:data:`PRECISIONS`): ``w8a16`` (int8 per-channel weights, 16-bit activations),
+``w4a16`` (int4 per-channel weights with MSE-optimal scales, lm_head at 8 bit) and
+``w4a16-gptq`` (int4 in blocks of 32 input rows, rounded by GPTQ on the calibration data:
+the most accurate int4 plan measured on SmolLM2-135M, ``docs/quant_llm.md``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ ROTATE = "fold-norm-weights,rotate-residual"
 PRECISIONS: dict[str, PrecisionPolicy] = {
     "w8a16": PrecisionPolicy(act="uint16", weights="int8", outliers=ROTATE),
     "w4a16": PrecisionPolicy(act="uint16", weights="int4", weight_scales="mse", outliers=ROTATE),
+    "w4a16-gptq": PrecisionPolicy(act="uint16", weights="int4", weight_scales="mse", block_size=32,
+                                  weight_rounding="gptq", outliers=ROTATE),
 }
 
 
