@@ -16,9 +16,10 @@ The float weights come from the float model that was quantized (same initializer
 Only weights of MatMul/Gemm without a bias input are touched (a bias would be int32 at
 ``s_x·s_w`` and would have to follow).
 
-``gptq``: the same grids (scales chosen the same way), rounded by GPTQ
+``gptq``: the same grids (per-channel scales chosen the same way; a block's scale from its
+rows as GPTQ has updated them, except in act-order), rounded by GPTQ
 (:mod:`qnnpasses.quant.gptq`) instead of to nearest; the report then carries GPTQ's output
-error on the calibration inputs over round-to-nearest's.
+error on the calibration inputs over round-to-nearest's (``output_error_gptq_over_nearest``).
 """
 
 from __future__ import annotations
