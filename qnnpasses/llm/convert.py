@@ -9,7 +9,8 @@ original export:
 1. ``fix-shapes`` with explicit static shapes (batch 1, S new tokens, P past slots, mask P + S),
    ``expose-positions`` (rotary positions become an input when the export derived them from the
    past length), ``simplify``, ``kv-new-outputs`` (outputs only the new K/V) and
-   ``kv-split-concat`` (no Concat of the cache inside the graph);
+   ``kv-split-concat`` (no Concat of the cache inside the graph), ``rotary-table`` (cos/sin rows
+   for the N positions a cache of N slots can hold, gathered instead of computed: exact angles in fp16);
 2. the ``htp-llm`` pipeline;
 3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
    decode steps (the static graph with a padded cache must compute what the original computes
@@ -46,6 +47,14 @@ from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.passmanager.spec import parse_pipeline
 
 STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,kv-new-outputs,kv-split-concat"
+
+
+def static_cache_pipeline(context: int) -> str:
+    """:data:`STATIC_CACHE_PIPELINE`, then ``rotary-table`` for positions below ``context``: a cache
+    of ``context`` slots never sees a larger position, and a table keeps the rotary angles exact in fp16."""
+    return f"{STATIC_CACHE_PIPELINE},rotary-table{{positions={context}}}"
+
+
 PRECISIONS = ("fp16", "w8a16", "w4a16")
 #: max abs of the static fp32 graphs vs the original on CPU (rounding-level rewrites only):
 #: CPU_TOLERANCE + CPU_RTOL x the largest reference magnitude of that output (trained models'
@@ -137,13 +146,14 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int) -> tuple[IRM
     """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
-    stage = PassManager(parse_pipeline(STATIC_CACHE_PIPELINE), RunConfig(verify=False, strict=True, allow_lossy=True))
+    static = static_cache_pipeline(tokens + past)
+    stage = PassManager(parse_pipeline(static), RunConfig(verify=False, strict=True, allow_lossy=True))
     stage.context.shapes = _shapes(roles, tokens, past)
     first = stage.run(ir)
     second = PassManager(get_pipeline("htp-llm"), RunConfig(verify=False, strict=True)).run(ir)
     # what ran, in textual form (quantization then knows htp-llm was applied)
     prefix = f"{lowerings}," if lowerings else ""
-    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{STATIC_CACHE_PIPELINE},{get_pipeline('htp-llm').to_text()}"
+    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{get_pipeline('htp-llm').to_text()}"
     return ir, {"passes": (lowered if lowerings else []) + _records(first) + _records(second)}
 
 
