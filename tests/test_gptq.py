@@ -219,3 +219,24 @@ def test_gptq_int4_runs_on_htp_as_one_partition_and_beats_nearest(data, tmp_path
         assert ev.qnn_partitions == 1 and ev.cpu_nodes == []
         scores[rounding] = (ev.headline.cosine, ev.headline.top1)
     assert scores["gptq"][0] > scores["nearest"][0] > 0.99 and scores["gptq"][1] > scores["nearest"][1]
+
+
+def test_hessians_in_small_chunks_equal_one_pass(data, tmp_path):
+    """A Hessian budget smaller than one tensor's Hessian: one pass per tensor, the same sums."""
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.quant.driver import ensure_pipeline
+    from qnnpasses.quant.gptq import GptqConfig, weight_hessians
+
+    ir = load_model(fixture_path(LLAMA))
+    ensure_pipeline(ir)
+    path = save_model(ir, tmp_path / "prepared.onnx")
+    calib = CalibrationData(data / "calib.npz", model_inputs(ir))
+    weights = {n.inputs[1].name for n in ir.graph.nodes if n.op == "MatMul" and n.inputs[1].__class__.__name__ == "Constant"}
+    whole = [c for c in weight_hessians(GptqConfig(calib), path, weights)]
+    small = [c for c in weight_hessians(GptqConfig(calib, budget_bytes=1), path, weights)]
+    assert len(whole) == 1 and len(small) > 4
+    merged = {k: v for c in small for k, v in c.hessians.items()}
+    assert set(merged) == set(whole[0].hessians) and len(merged) >= 15
+    assert all(np.allclose(merged[k], whole[0].hessians[k], rtol=1e-12) for k in merged)
+    h = next(iter(merged.values()))
+    assert np.allclose(h, h.T) and np.all(np.linalg.eigvalsh(h) > -1e-6 * np.abs(h).max())
