@@ -99,14 +99,31 @@ def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream) -> str:
 
 
 def find_stream(graph: gs.Graph) -> tuple[Stream | None, str]:
-    """The residual stream fed by the graph's token embedding, or (None, why it does not fit)."""
+    """The residual stream fed by the graph's token embedding, or (None, why it does not fit).
+
+    The token embedding is the Gather from a constant 2-D table, indexed by a graph input, whose
+    output the walk accepts as a residual stream (a static pair also gathers cos/sin rows by
+    ``position_ids``)."""
     inputs = {t.name for t in graph.inputs}
     gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
                and len(n.inputs[0].shape) == 2 and n.attrs.get("axis", 0) == 0
                and _from_input(n.inputs[1], inputs)]
-    if len(gathers) != 1:
-        return None, f"expected one token-embedding Gather, found {len(gathers)}"
-    embed = gathers[0]
+    if not gathers:
+        return None, "no token-embedding Gather (of a constant 2-D table, indexed by a graph input)"
+    # other tables gathered by an input (a static pair's cos/sin rows, gathered by position_ids) feed
+    # no residual stream: the embedding is the one table whose output the walk accepts
+    found = [_walk(graph, embed) for embed in gathers]
+    streams = [stream for stream, _ in found if stream is not None]
+    if len(streams) == 1:
+        return streams[0], ""
+    if streams:
+        return None, f"{len(streams)} tables gathered by graph inputs each feed a residual stream"
+    return None, found[0][1] if len(found) == 1 else "; ".join(
+        f"{embed.name}: {why}" for embed, (_, why) in zip(gathers, found))
+
+
+def _walk(graph: gs.Graph, embed: gs.Node) -> tuple[Stream | None, str]:
+    """The residual stream fed by the Gather ``embed``, or (None, why it does not fit)."""
     hidden = int(embed.inputs[0].shape[1])
     stream = Stream(hidden, embeddings=[embed])
     outputs = {t.name for t in graph.outputs}

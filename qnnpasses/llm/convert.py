@@ -142,18 +142,29 @@ def export_roles(ir: IRModel) -> Roles:
     return find_roles(ir.graph)
 
 
-def static_graph(model: Path, roles: Roles, tokens: int, past: int) -> tuple[IRModel, dict[str, Any]]:
-    """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied."""
+def static_graph(model: Path, roles: Roles, tokens: int, past: int,
+                 quantized: bool = False) -> tuple[IRModel, dict[str, Any]]:
+    """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied.
+
+    ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (``layout{head_proj=false}``): the
+    Q/K/V projections stay 2-D, so each gets per-output-channel weight scales; head-major 4-D
+    weights can only be quantized per tensor on the HTP (:mod:`qnnpasses.quant.policy`)."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
     static = static_cache_pipeline(tokens + past)
     stage = PassManager(parse_pipeline(static), RunConfig(verify=False, strict=True, allow_lossy=True))
     stage.context.shapes = _shapes(roles, tokens, past)
     first = stage.run(ir)
-    second = PassManager(get_pipeline("htp-llm"), RunConfig(verify=False, strict=True)).run(ir)
+    if quantized:
+        from qnnpasses.quant.driver import resolve_pipeline
+
+        htp_llm = resolve_pipeline("htp-llm")
+    else:
+        htp_llm = get_pipeline("htp-llm")
+    second = PassManager(htp_llm, RunConfig(verify=False, strict=True)).run(ir)
     # what ran, in textual form (quantization then knows htp-llm was applied)
     prefix = f"{lowerings}," if lowerings else ""
-    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{get_pipeline('htp-llm').to_text()}"
+    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{htp_llm.to_text()}"
     return ir, {"passes": (lowered if lowerings else []) + _records(first) + _records(second)}
 
 
@@ -272,7 +283,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     report: dict[str, Any] = {"source": model.name, "context": N, "prefill": M, "graphs": {}}
     irs = {}
     for name, (tokens, past) in spec.items():
-        ir, facts = static_graph(model, roles, tokens, past)
+        ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16")
         irs[name] = ir
         graph_role = graph_roles(ir, roles)
         path = save_model(ir, stage / f"{name}.onnx")

@@ -26,8 +26,8 @@ from qnnpasses.llm.verify import PartsRunner, static_feed
 #: calibration samples kept per graph
 MAX_SAMPLES = 64
 #: what a quantized pair's report records as ``quantization.recipe``; bumped when the way a pair is
-#: quantized changes (2: outlier rewrites applied to both graphs at once, see :mod:`qnnpasses.llm.outliers`)
-RECIPE = 2
+#: quantized changes (2: outlier rewrites on both graphs at once, :mod:`qnnpasses.llm.outliers`; 3: 2-D Q/K/V)
+RECIPE = 3
 
 
 def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
