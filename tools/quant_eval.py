@@ -302,8 +302,10 @@ def _gptq_lines(rows: list[dict], curve: list[dict]) -> list[str]:
             if "gptq" not in r["precision"]:
                 continue
             base = by.get(re.sub(r"gptqa?(?=\+|$)", "", r["cell"]))
-            ratio = (r.get("weights") or {}).get("output_error_gptq_over_nearest")
-            err = f"; output error ×{ratio:.3f} of nearest" if ratio is not None else ""
+            w = r.get("weights") or {}
+            ratio = w.get("output_error_gptq_over_nearest")
+            err = (f"; output error ×{ratio:.3f} of nearest (Hessians {w['hessian_seconds']:.0f} s, rounding "
+                   f"{w['gptq_seconds']:.0f} s on a shared 2-core host)") if ratio is not None else ""
             if "top1" not in r:
                 continue
             if base is None:
@@ -368,9 +370,11 @@ def render(results: dict) -> str:
     gptq = _gptq_lines(rows, [summarize(c, e) for c, e in sorted(results.get("cpu_curve", {}).items())])
     if gptq:
         lines += ["", "## What GPTQ rounding changes", "",
-                  ("Each GPTQ cell against the same cell rounded to nearest (same grid, same windows kind); "
-                   "`output error` is Σ‖X·(W - Ŵ)‖² of the GPTQ-rounded weights over round-to-nearest's, on the "
-                   "calibration inputs X (every weight the plan rounds, the int8 lm_head included)."), "", *gptq]
+                  ("Each GPTQ cell against the same cell rounded to nearest (same bits, granularity and scale "
+                   "search; in `b<B>gptq` cells a block's scale is searched on the rows as GPTQ has updated them); "
+                   "`output error` is Σ‖X·(W - Ŵ)‖² of the GPTQ-rounded weights over round-to-nearest's, summed over "
+                   "every weight the plan rounds (the int8 lm_head included), on the calibration inputs X."), "",
+                  *gptq]
     lines += ["", "## Targets", ""]
     groups: dict = {}
     for r in rows:
