@@ -272,6 +272,24 @@ def _name(exporter: str) -> str:
     return EXPORTER_NAMES.get(exporter, exporter)
 
 
+def _accuracy_row(name: str, precision: str, mode: str, r: dict[str, Any]) -> str:
+    fed = "prompt + original's greedy tokens" if mode == "greedy" else "prompt + real text"
+    if "error" in r:
+        return f"| {_name(name)} | {precision} | {fed} | failed: {r['error']} | | |"
+    lead = (f"{r['identical_leading_mean']:.2f} ({', '.join(map(str, r['identical_leading']))})"
+            if mode == "greedy" else "-")
+    top1 = f"{_pct(r['top1'])} of {r['positions']} ({len(r['prompts'])} prompts)"
+    if mode == "greedy":
+        top1 += f" ({_pct(r['top1_generated'])} of the generated)"
+    ppl = (f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f})"
+           if mode == "text" else "-")
+    differ = "-"
+    if mode == "greedy":
+        margins = [f"{d['fp32_margin']:.3f}" for row in r["prompts"] for d in row.get("differs_at", [])]
+        differ = f"{len(margins)}: " + ", ".join(margins) if margins else "none"
+    return f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {differ} | {ppl} |"
+
+
 def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     rows = [(f"| export | precision | fed through the pair | identical leading tokens (of {s['new_tokens']}) | "
@@ -280,29 +298,17 @@ def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
     for name, res in doc["exports"].items():
         for key, r in res["runs"].items():
             precision, mode = key.split(":")
-            fed = "prompt + original's greedy tokens" if mode == "greedy" else "prompt + real text"
-            if "error" in r:
-                rows.append(f"| {_name(name)} | {precision} | {fed} | failed: {r['error']} | | |")
-                continue
-            lead = (f"{r['identical_leading_mean']:.2f} ({', '.join(map(str, r['identical_leading']))})"
-                    if mode == "greedy" else "-")
-            top1 = f"{_pct(r['top1'])} of {r['positions']} ({len(r['prompts'])} prompts)"
-            if mode == "greedy":
-                top1 += f" ({_pct(r['top1_generated'])} of the generated)"
-            ppl = (f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f})"
-                   if mode == "text" else "-")
-            differ = "-"
-            if mode == "greedy":
-                margins = [f"{d['fp32_margin']:.3f}" for row in r["prompts"] for d in row.get("differs_at", [])]
-                differ = f"{len(margins)}: " + ", ".join(margins) if margins else "none"
-            rows.append(f"| {_name(name)} | {precision} | {fed} | {lead} | {top1} | {differ} | {ppl} |")
+            rows.append(_accuracy_row(name, precision, mode, r))
         for key, r in res.get("cpu_runs", {}).items():
-            precision = key.split(":")[0]
-            rows.append(f"| {_name(name)} | {precision}, CPU proxy (the same QDQ graphs on onnxruntime CPU) | "
-                        f"prompt + real text | - | {_pct(r['top1'])} of {r['positions']} ({len(r['prompts'])} prompts) | - | "
-                        f"{r['perplexity']:.2f} ({r['reference_perplexity']:.2f}, ×{r['perplexity_ratio']:.3f}) |")
+            precision, mode = key.split(":")
+            rows.append(_accuracy_row(name, f"{precision}, CPU proxy", mode, r))
         for precision in res.get("not_run", []):
             rows.append(f"| {_name(name)} | {precision} | not measured in this run | | | | |")
+    if any(res.get("cpu_runs") for res in doc["exports"].values()):
+        rows += ["", ("CPU proxy: the same quantized (QDQ) graphs run by the same runner on onnxruntime's CPU "
+                      "provider instead of the simulated HTP (minutes instead of tens of minutes; onnxruntime "
+                      "computes each quantized op in float between Q/DQ pairs, the HTP in integer arithmetic, so "
+                      "the two differ by the HTP's own rounding).")]
     return rows
 
 
@@ -517,16 +523,19 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                 divergences(value, run_items, run_refs, ties)
             value["windows"] = [i["window"] for i in run_items]
             res["runs"][f"{precision}:{mode}"] = value
-        if "cpu" in args.on and precision != "fp16":  # the CPU proxy: the same QDQ graphs on onnxruntime CPU
-            log.info("%s %s: teacher-forced on onnxruntime CPU (text)", exporter, precision)
+        for mode in (("text", "greedy") if "cpu" in args.on and precision != "fp16" else ()):
+            # the CPU proxy: the same QDQ graphs on onnxruntime CPU (greedy: the continuation through decode)
+            log.info("%s %s: teacher-forced on onnxruntime CPU (%s)", exporter, precision, mode)
             run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
-                       "prefill": args.prefill, "mode": "text", "on": "cpu", "built": built["report"].get("seconds")}
+                       "prefill": args.prefill, "mode": mode, "on": "cpu", "built": built["report"].get("seconds")}
             compute = None if args.render_only else (
-                lambda out=out, it=run_items, rf=run_refs: pair_run(out, it, rf, "text", on="cpu"))
-            value = _cached(out / "eval_text_cpu.json", run_key, args.reuse, compute)
+                lambda out=out, mode=mode, it=run_items, rf=run_refs: pair_run(out, it, rf, mode, on="cpu"))
+            value = _cached(out / f"eval_{mode}_cpu.json", run_key, args.reuse, compute)
             if value is not None:
+                if mode == "greedy":
+                    divergences(value, run_items, run_refs, ties)
                 value["windows"] = [i["window"] for i in run_items]
-                res.setdefault("cpu_runs", {})[f"{precision}:text"] = value
+                res.setdefault("cpu_runs", {})[f"{precision}:{mode}"] = value
     return res
 
 

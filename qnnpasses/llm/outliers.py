@@ -28,12 +28,14 @@ So each pass is verified with its own contract's tolerance (EXACT: the manager's
    the manager's synthetic cases and on real calls of the pair.  What is left of the fp32
    arithmetic is the fp32 *storage* of the rewritten weights (up to half an ulp each), and
    on the scaled ("extreme") caches even that is amplified: moving every weight of the
-   original SmolLM2 prefill graph by one ulp moves a new value by up to 3.7 there, in
-   float64.  So an output's bound is the contract's, or, where wider, that measured
-   one-ulp floor (:func:`ulp_floor`, the largest of two random-sign perturbations).  An
-   exact rewrite lands well inside (measured: 0.3-0.4x the floor, or < 0.25 of the EXACT
-   bound where the bound is wider); a wrong one (a misplaced scale, a non-orthogonal
-   matrix, a 0.1% change of one weight matrix) does not;
+   original SmolLM2 prefill graph by one ulp moves new K/V values by up to 3.7 there, in
+   float64 -- the output is not determined to any useful bound by fp32 weights.  So an
+   output whose one-ulp floor (:func:`ulp_floor`, the larger of two random-sign
+   perturbations) exceeds the contract's bound on a case is reported there, not held to it
+   (``ill_conditioned``); every other output of every case is held to the contract's bound.
+   An exact rewrite uses a small part of it (measured on SmolLM2-135M: < 0.03 of the EXACT
+   bound for fold-norm-weights, < 0.25 of rotate-residual's); a wrong one (a misplaced
+   scale, a non-orthogonal matrix, a 0.1% change of one weight matrix) does not pass;
 2. **fp32 on real calls** -- the graph as deployed (fp32) on the first :data:`REAL_SAMPLES`
    calibration calls of the float pair (real caches the graphs themselves wrote), with the
    contract's tolerance as it is.
@@ -154,26 +156,32 @@ def _worst(reference: list[dict[str, np.ndarray]], got: list[dict[str, np.ndarra
            floor: list[dict[str, tuple[float, float]]] | None = None) -> dict[str, Any]:
     """Per case: max abs, the fraction of the bound it uses, cosine, ok; and the overall verdict.
 
-    The bound of an output is ``atol + rtol·max|ref|`` and ``min_cosine``, or, where ``floor``
-    (per case and output: the deviation a ±1-ulp change of every weight causes) is wider, the floor."""
+    The bound of an output is ``atol + rtol·max|ref|`` and ``min_cosine``.  With ``floor`` (per
+    case and output: how far a ±1-ulp change of every weight moves it), an output whose floor
+    exceeds that bound is not held to it on that case (``ill_conditioned``: fp32 weights do not
+    determine it to the bound, so no weight-rewriting pass can be judged there); its figures stay
+    in the row."""
     atol, rtol, min_cosine = tolerance
     rows, ok, failure = {}, True, ""
     for i, (case, ref, new) in enumerate(zip(cases, reference, got)):
         if which is not None and case.name not in which:
             continue
         label = case.name if case.name != CASE_REAL else f"{case.name} ({case.detail})"
-        worst, bad, widened = {"max_abs": 0.0, "of_bound": 0.0, "cosine": 1.0}, [], 0
+        worst, bad, loose = {"max_abs": 0.0, "of_bound": 0.0, "cosine": 1.0}, [], []
         for k, (max_abs, cosine) in _deviation(ref, new).items():
-            bound, least = atol + rtol * float(np.nanmax(np.abs(ref[k]))), min_cosine
-            if floor is not None and k in floor[i]:
-                widened += floor[i][k][0] > bound
-                bound, least = max(bound, floor[i][k][0]), min(least, floor[i][k][1])
-            if np.isnan(max_abs) or max_abs > bound or cosine < least:
-                bad.append(f"{k}: max abs {max_abs:.3g} (bound {bound:.3g}), cosine {cosine:.8f}")
+            bound = atol + rtol * float(np.nanmax(np.abs(ref[k])))
             worst = {"max_abs": max(worst["max_abs"], max_abs), "of_bound": max(worst["of_bound"], max_abs / bound),
                      "cosine": min(worst["cosine"], cosine)}
-        rows[label] = {**{k: round(v, 6) if k == "of_bound" else v for k, v in worst.items()}, "ok": not bad,
-                       **({"bounds_from_floor": widened} if widened else {})}
+            if floor is not None and k in floor[i] and floor[i][k][0] > bound:
+                loose.append(k)
+                continue
+            if np.isnan(max_abs) or max_abs > bound or cosine < min_cosine:
+                bad.append(f"{k}: max abs {max_abs:.3g} (bound {bound:.3g}), cosine {cosine:.8f}")
+        rows[label] = {**{k: round(v, 6) if k == "of_bound" else v for k, v in worst.items()}, "ok": not bad}
+        if loose:
+            rows[label]["ill_conditioned"] = len(loose)
+            rows[label]["floor_of_bound"] = round(max(floor[i][k][0] / (atol + rtol * float(np.nanmax(np.abs(ref[k]))))
+                                                      for k in loose), 3)
         if bad and ok:
             ok, failure = False, f"[{label}] " + "; ".join(bad[:4])
     return {"ok": ok, "cases": rows, **({"failure": failure} if failure else {}),

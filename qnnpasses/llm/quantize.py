@@ -7,7 +7,9 @@ in prefill chunks, the rest one token at a time through decode, the cache filled
 graphs themselves), and the inputs of every call become that graph's calibration samples: the
 past K/V the graphs see are real cache contents.  :func:`qnnpasses.quant.shared.quantize_graphs`
 then gives every tensor the two graphs share -- the weights, and each layer's new K/V
-output tied to the past input it becomes -- one encoding.
+output tied to the past input it becomes -- one encoding.  Internal activations keep
+per-graph ranges (:func:`own_activation_names`), and the outlier rewrites run on both float
+graphs at once before (:mod:`qnnpasses.llm.outliers`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import numpy as np
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import save_model
+from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.verify import PartsRunner, static_feed
 
 #: calibration samples kept per graph
 MAX_SAMPLES = 64
 #: what a quantized pair's report records as ``quantization.recipe``; bumped when the way a pair is
-#: quantized changes (2: outlier rewrites on both graphs at once, :mod:`qnnpasses.llm.outliers`; 3: 2-D Q/K/V)
-RECIPE = 3
+#: quantized changes (2: outlier rewrites on both graphs at once, :mod:`qnnpasses.llm.outliers`; 3: 2-D Q/K/V;
+#: 4: decode's own activation ranges)
+RECIPE = 4
 
 
 def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
@@ -172,6 +175,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         if policy.outliers:
             rewritten, records = rewrite_pair(floats, policy.outliers, real, Path(tmp) / "outliers")
         models = {name: load_model(path) for name, path in rewritten.items()}
+        private = {name: own_activation_names(ir, name) for name, ir in models.items() if name != "prefill"}
         result = quantize_graphs(models, calib, outputs, policy=precision_policy(options.precision, outliers=""),
                                  ties=ties)
     for name, graph in manifest["graphs"].items():
@@ -182,7 +186,30 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         graph["float_onnx"] = floats[name].name
     return {"precision": options.precision, "recipe": RECIPE, "samples": samples,
             "shared_tensors": len(result.shared_tensors), "ties": len(ties), "outlier_rewrites": records,
+            "own_activation_ranges": private,
             "graphs": {k: r.as_dict() for k, r in result.results.items()}}
+
+
+def own_activation_names(ir: IRModel, graph_name: str) -> int:
+    """Rename the graph's internal activations (``X`` -> ``X__<graph_name>``); its inputs, outputs and
+    constants keep their names.  Returns how many were renamed.
+
+    :func:`~qnnpasses.quant.shared.quantize_graphs` gives a tensor name found in several graphs
+    the union of its ranges.  The pair's graphs must agree on the weights (shared) and on the KV
+    cache that passes between them (tied), but not on their internal activations, and there one
+    range does not fit both: the prefill graph sees the first token of a sequence, where a
+    trained LLM puts its massive activation (SmolLM2-135M's residual stream reaches 24,500 in
+    prefill calls, at most ~230 in decode calls), and a decode graph quantized with prefill's
+    stream ranges gets steps ~100x coarser than its own values need."""
+    import onnx_graphsurgeon as gs
+
+    boundary = {t.name for t in list(ir.graph.inputs) + list(ir.graph.outputs)}
+    count = 0
+    for tensor in ir.graph.tensors().values():
+        if isinstance(tensor, gs.Variable) and tensor.name not in boundary and tensor.name:
+            tensor.name = f"{tensor.name}__{graph_name}"
+            count += 1
+    return count
 
 
 def _keep_float(path: Path) -> Path:
