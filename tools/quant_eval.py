@@ -386,7 +386,10 @@ def render(results: dict) -> str:
         verdict = []
         for k, v in best["target"].items():
             ok = best[k] <= v if k == "ppl_ratio" else best[k] >= v
-            verdict.append(f"{k} {best[k]:.4f} ({'met' if ok else f'short of {v} by {abs(best[k] - v):.4f}'})")
+            noise = ""
+            if k == "top1":  # the binomial standard error over the scored tokens (tokens are not independent)
+                noise = f" ± {np.sqrt(best[k] * (1 - best[k]) / best['tokens']):.4f} over {best['tokens']} tokens"
+            verdict.append(f"{k} {best[k]:.4f}{noise} ({'met' if ok else f'short of {v} by {abs(best[k] - v):.4f}'})")
         lines.append(f"- {model} {precision}: best measured cell `{best['cell']}` over {best['windows']} windows: "
                      + "; ".join(verdict) + ".")
     w4 = [r for r in rows if "met" in r and r["precision"].startswith("w4a16")]
