@@ -19,7 +19,7 @@ tensor has ONE encoding:
 Precisions (:data:`PRECISIONS`): ``w8a16`` (int8 per-channel weights, 16-bit activations),
 ``w4a16`` (int4 per-channel weights with MSE-optimal scales, lm_head at 8 bit) and
 ``w4a16-gptq`` (int4 in blocks of 32 input rows, rounded by GPTQ on the calibration data:
-the most accurate int4 plan measured on SmolLM2-135M, ``docs/quant_llm.md``).
+measured on SmolLM2-135M in ``docs/quant_llm.md``).
 """
 
 from __future__ import annotations
