@@ -196,7 +196,7 @@ def test_shared_graphs_round_shared_weights_the_same(data, tmp_path):
 
     outs = {"a": tmp_path / "a.qdq.onnx", "b": tmp_path / "b.qdq.onnx"}
     result = quantize_graphs({"a": fixture_path(LLAMA), "b": fixture_path(LLAMA)},
-                             {"a": data / "calib.npz", "b": data / "eval.npz"}, outs, precision="w4a16-gptq")
+                             {"a": data / "calib.npz", "b": data / "eval.npz"}, outs, precision="w4a16")
     weights = result.results["b"].weights
     assert weights["gptq"] >= 14 and weights["blocked"] == 14 and weights["output_error_gptq_over_nearest"] < 0.85
     a, b = _dequantized(outs["a"]), _dequantized(outs["b"])

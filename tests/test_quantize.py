@@ -223,7 +223,9 @@ def test_int4_plan_keeps_the_lm_head_at_8_bit(small):
 
     tmp, calib, _ = small
     out = tmp / "w4.qdq.onnx"
-    result = quantize_model(fixture_path(LLAMA), calib, out, precision_policy("w4a16", outliers=""))
+    # per-channel, rounded to nearest: what the MSE scale search alone does to the weights
+    policy = precision_policy("w4a16", outliers="", block_size=None, weight_rounding="nearest")
+    result = quantize_model(fixture_path(LLAMA), calib, out, policy)
     types = _dq_weight_types(out)
     head = result.plan.weights_8bit
     assert len(head) == 1 and types[head[0]][0] == onnx.TensorProto.INT8
