@@ -190,6 +190,14 @@ def test_a_rewrite_that_is_not_exact_or_not_in_both_graphs_is_rolled_back_on_bot
     assert paths == originals
 
 
+def _weight_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Dequantized output -> stored integer type of every 2-D projection weight of a QDQ graph."""
+    inits = {i.name: i for i in model.graph.initializer}
+    return {n.output[0]: inits[n.input[0]].data_type for n in model.graph.node
+            if n.op_type == "DequantizeLinear" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2
+            and any(n.output[0] == m.input[1] for m in model.graph.node if m.op_type == "MatMul")}
+
+
 def test_quantized_pair_applies_the_rewrites_and_stays_on_the_htp(export, tmp_path):
     from qnnpasses.llm.convert import build
 
@@ -206,6 +214,16 @@ def test_quantized_pair_applies_the_rewrites_and_stays_on_the_htp(export, tmp_pa
                                                                                               "rotate-residual")]
         float_graph = onnx.load(str(Path(manifest["dir"]) / manifest["graphs"][graph]["float_onnx"]))
         assert len(float_graph.graph.node) > 0  # the float graph is kept whole (its own weights file)
+    # the lm_head is raised to 16-bit weights, unless those do not dequantize to the float weights (then the
+    # pair is requantized at 8 bit: onnxruntime's quantizer writes int8-sized values into this fixture's int16 lm_head)
+    lm_head = quantization["lm_head"]
+    assert lm_head["raised_to_16_bit"] == ["/model/lm_head/MatMul"]
+    for graph in ("prefill", "decode"):
+        model = onnx.load(str(part_paths(manifest, graph, compiled=False)[0]))
+        widths = _weight_types(model)
+        head = next(n for n in model.graph.node if n.name == "/model/lm_head/MatMul")
+        assert widths.pop(head.input[1]) == (onnx.TensorProto.INT16 if lm_head["ok"] else onnx.TensorProto.INT8)
+        assert set(widths.values()) == {onnx.TensorProto.INT8}
     assert report["quantized_verification"]["top1"] >= 0.9  # random weights, CPU
     if HTP:  # integer mode, boundary Q/DQ on the HTP too: one partition, no CPU node (fallback disabled)
         for graph in ("prefill", "decode"):

@@ -365,11 +365,19 @@ def _quant_note(doc: dict[str, Any]) -> str:
                              f"{q['shared_tensors']} tensors share one encoding) on {q['samples']['prefill']} prefill "
                              f"and {q['samples']['decode']} decode calls of the float pair over "
                              f"{q.get('sequences', '?')} windows of English text disjoint from the prompts', built in "
-                             f"{b['build_seconds']:.0f} s; outlier rewrites: "
+                             f"{b['build_seconds']:.0f} s; outlier rewrites"
+                             + (" (applied to both float graphs alike before calibration, each pass checked in "
+                                "float64 on the pass manager's cases and in fp32 on real calls: "
+                                "`qnnpasses/llm/outliers.py`)" if q.get("recipe", 0) >= 2 else "") + ": "
                              + ", ".join(f"{k} {v}" for k, v in q.get("outlier_rewrites", {}).items())
                              + (" (rolled back: the pass manager's CPU check found the outputs beyond the pass's "
                                 "declared tolerance, so the graph kept its norm weights)"
-                                if "rolled-back" in q.get("outlier_rewrites", {}).values() else ""))
+                                if "rolled-back" in q.get("outlier_rewrites", {}).values() else "")
+                             + ("; Q/K/V projections kept 2-D (per-channel int8 scales)" if q.get("recipe", 0) >= 3
+                                else "")
+                             + (f"; the decode graph's {q['own_activation_ranges']:,} internal activations calibrated "
+                                "on its own calls (only the weights and the KV cache passed between the graphs "
+                                "share encodings)" if q.get("own_activation_ranges") else ""))
     return (" " + "; ".join(notes) + ".") if notes else ""
 
 
@@ -498,7 +506,10 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                                                    if p["pass"] in ("fold-norm-weights", "rotate-residual", "smooth-mlp")]
             outliers = {p["pass"]: p["status"] for p in passes}
             res["builds"][precision]["quantization"] = {**{k: q[k] for k in ("samples", "shared_tensors", "ties")},
-                                                        "sequences": sequences, "outlier_rewrites": outliers}
+                                                        "sequences": sequences, "outlier_rewrites": outliers,
+                                                        "recipe": q.get("recipe", 1),
+                                                        "own_activation_ranges": sum(
+                                                            (q.get("own_activation_ranges") or {}).values())}
         if precision == "fp16":
             res["graphs"] = graph_rows(built)
         run_items, run_refs = items, refs
