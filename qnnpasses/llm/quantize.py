@@ -260,9 +260,13 @@ def _logits_matmul(ir: IRModel, logits: str) -> str | None:
     return None
 
 
+_MOVES = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten")
+
+
 def own_activation_names(ir: IRModel, graph_name: str) -> int:
-    """Rename the graph's internal activations (``X`` -> ``X__<graph_name>``); its inputs, outputs and
-    constants keep their names.  Returns how many were renamed.
+    """Rename the graph's internal activations (``X`` -> ``X__<graph_name>``); its inputs, outputs,
+    the tensors joined to them by data-movement ops only, and constants keep their names.
+    Returns how many were renamed.
 
     :func:`~qnnpasses.quant.shared.quantize_graphs` gives a tensor name found in several graphs
     the union of its ranges.  The pair's graphs must agree on the weights (shared) and on the KV
@@ -274,6 +278,19 @@ def own_activation_names(ir: IRModel, graph_name: str) -> int:
     import onnx_graphsurgeon as gs
 
     boundary = {t.name for t in list(ir.graph.inputs) + list(ir.graph.outputs)}
+    # the quantizer gives a data-movement op's output its input's encoding: what reaches a graph
+    # output, or comes from a graph input, through such ops is the boundary's (tied) tensor too
+    for out in ir.graph.outputs:
+        t = out
+        while t.inputs and t.inputs[0].op in _MOVES:
+            t = t.inputs[0].inputs[0]
+            boundary.add(t.name)
+    todo = list(ir.graph.inputs)
+    while todo:
+        for node in todo.pop().outputs:
+            if node.op in _MOVES:
+                boundary.update(o.name for o in node.outputs)
+                todo += node.outputs
     count = 0
     for tensor in ir.graph.tensors().values():
         if isinstance(tensor, gs.Variable) and tensor.name not in boundary and tensor.name:
