@@ -9,7 +9,10 @@ norm weights are all ones, where fold-norm-weights has nothing to do).
 - each pass is verified in float64 on the manager's synthetic cases (fold-norm-weights within
   1% of the EXACT bound, measured ~0.4%) and in fp32 on real calls;
 - a rewrite that is not exact, or that applies to one graph only, is rolled back on both;
-- the quantized pair stays 1 QNN partition with 0 CPU nodes on the HTP (when the backend is here).
+- the quantized pair: the rewrites are recorded as applied (and not run again by the quantizer),
+  the lm_head has 16-bit weights unless those fail to dequantize to the float ones (then 8-bit,
+  recorded), every other projection int8, and both graphs stay 1 QNN partition with 0 CPU nodes
+  on the HTP (when the backend is here).
 """
 
 from __future__ import annotations
