@@ -236,6 +236,35 @@ def test_int4_plan_keeps_the_lm_head_at_8_bit(small):
         PrecisionPolicy(weights="int4", block_size=24)
 
 
+def test_head_bits_16_gives_the_lm_head_16_bit_weights_that_dequantize_to_the_float_ones(small):
+    """``head_bits=16`` in an int4 plan: the lm_head alone at int16 (per channel), every projection still
+    int4, and the written int16 weights dequantize to the float lm_head within half a 16-bit step
+    (after the MSE scale search rewrote them)."""
+    from onnx import numpy_helper
+
+    from qnnpasses.quant import precision_policy
+
+    tmp, calib, _ = small
+    out = tmp / "w4h16.qdq.onnx"
+    # nearest rounding: the written integers are then the float weight's nearest grid points
+    policy = precision_policy("w4a16", outliers="", head_bits=16, weight_rounding="nearest")
+    result = quantize_model(fixture_path(LLAMA), calib, out, policy)
+    types = _dq_weight_types(out)
+    int16 = [n for n, (t, _) in types.items() if t == onnx.TensorProto.INT16]
+    assert len(int16) == 1 and not result.plan.weights_8bit
+    assert sum(t == onnx.TensorProto.INT4 for t, _ in types.values()) >= 8
+    model = onnx.load(str(out))
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == int16[0] + "_quantized")
+    q, scale = inits[dq.input[0]].astype(np.float64), inits[dq.input[1]].astype(np.float64)
+    original = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(fixture_path(LLAMA))).graph.initializer}
+    assert np.abs(q).max() > 2**14  # 16-bit integers (they once wrapped around through int8)
+    assert np.abs(original[int16[0]] - q * scale).max() <= 0.5 * scale.max() * (1 + 1e-6)
+    assert PrecisionPolicy(head_bits=16).label().endswith("h16")
+    with pytest.raises(Exception, match="head-bits"):
+        PrecisionPolicy(head_bits=4)
+
+
 def test_shared_plan_gives_shared_tensors_one_encoding(small, tmp_path):
     """Two graphs calibrated on different data: every tensor they share gets the union range."""
     from qnnpasses.quant import quantize_graphs

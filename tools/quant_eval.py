@@ -77,15 +77,16 @@ def write_data(out: Path, eval_windows: int, calib_windows: int) -> dict[str, di
 #: Precision names: ``w8a16`` / ``w4a16`` (int4 gets MSE scales), then optional ``mse`` (MSE scales
 #: for int8 too), ``r<k>`` (the k layers with the lowest weight SQNR raised: 16-bit weights in w8a16,
 #: 8-bit in w4a16; qnnpasses.quant.sensitivity), ``b<B>`` (int4 blocks of B rows) and ``gptq`` / ``gptqa``
-#: (GPTQ rounding on the calibration windows; ``gptqa`` in act-order; qnnpasses.quant.gptq).
-PRECISION_RE = re.compile(r"^(w8a16|w4a16)(mse)?(?:r(\d+))?(?:b(\d+))?(gptqa|gptq)?$")
+#: (GPTQ rounding on the calibration windows; ``gptqa`` in act-order; qnnpasses.quant.gptq), ``h16``
+#: (the lm_head's weights at 16 bit).
+PRECISION_RE = re.compile(r"^(w8a16|w4a16)(mse)?(?:r(\d+))?(?:b(\d+))?(gptqa|gptq)?(h16)?$")
 ROUNDINGS = {"gptq": "gptq", "gptqa": "gptq-act"}
 
 
 def precision_fields(precision: str) -> dict:
     m = PRECISION_RE.match(precision)
     if not m:
-        raise SystemExit(f"bad precision '{precision}' (w8a16|w4a16, then mse, r<k>, b<B>, gptq|gptqa)")
+        raise SystemExit(f"bad precision '{precision}' (w8a16|w4a16, then mse, r<k>, b<B>, gptq|gptqa, h16)")
     fields = {"act": "uint16", "weights": "int4" if m[1] == "w4a16" else "int8"}
     if m[1] == "w4a16" or m[2]:
         fields["weight_scales"] = "mse"
@@ -95,6 +96,8 @@ def precision_fields(precision: str) -> dict:
         fields["block_size"] = int(m[4])
     if m[5]:
         fields["weight_rounding"] = ROUNDINGS[m[5]]
+    if m[6]:
+        fields["head_bits"] = 16
     return fields
 
 
@@ -111,7 +114,7 @@ def parse_cell(cell: str) -> tuple[str, str, str]:
     precision, _, extra = rest.partition("+")
     names = {n.split("_")[0]: n for n in tf.SPECS}
     if model not in names or not PRECISION_RE.match(precision) or extra not in REWRITES:
-        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision w8a16|w4a16[mse][r<k>][b<B>][gptq|gptqa], +rot)")
+        raise SystemExit(f"bad cell '{cell}' (model in {sorted(names)}, precision w8a16|w4a16[mse][r<k>][b<B>][gptq|gptqa][h16], +rot)")
     return names[model], precision, extra
 
 
@@ -349,7 +352,7 @@ def render(results: dict) -> str:
               "Q·Kᵀ / softmax / norm tensors at 16 bit; w4a16 = the same with int4 per-channel projection weights and "
               "MSE-optimal scales, the lm_head and every non-projection constant at int8; `r<k>`: the k layers with "
               "the lowest weight SQNR on calibration data raised (16-bit weights in w8a16, 8-bit in w4a16); "
-              "`b<B>`: int4 scales per block of B input rows; `gptq`: GPTQ rounding (Frantar et al. 2022, "
+              "`b<B>`: int4 scales per block of B input rows; `h16`: the lm_head's weights at 16 bit; `gptq`: GPTQ rounding (Frantar et al. 2022, "
               "`qnnpasses.quant.gptq`) on the same grids, each layer's Hessian from its fp32 inputs on the calibration "
               "windows (non-sequential: inputs from the float rotated model, not from the already-quantized layers), "
               "1% dampening, lazy batches of 128 rows, block scales chosen as GPTQ reaches each block; `gptqa`: the "

@@ -52,6 +52,8 @@ def register(subparsers) -> None:
                         help=f"which categories count as sensitive (default {','.join(CATEGORIES)})")
     parser.add_argument("--kv-bits", type=int, choices=(8, 16), default=None,
                         help="quantize the KV cache (past/present tensors) at this width")
+    parser.add_argument("--head-bits", type=int, choices=(8, 16), default=8,
+                        help="weight width of the lm_head, the layer whose output top-1 reads (default 8)")
     parser.add_argument("--calib-method", choices=("minmax", "percentile", "entropy"), default="minmax",
                         help="how activation ranges are chosen from the calibration data (default minmax)")
     parser.add_argument("--overrides", metavar="FILE.json",
@@ -86,7 +88,7 @@ def _policy(args) -> PrecisionPolicy:
     return PrecisionPolicy(act=args.act, weights=args.weights, per_channel=args.per_channel,
                            sensitive_bits=16 if args.sensitive_16bit else None, sensitive=sensitive,
                            kv_bits=args.kv_bits, calibrate_method=args.calib_method, block_size=args.block_size,
-                           weight_scales=scales, weight_rounding=args.weight_rounding,
+                           weight_scales=scales, weight_rounding=args.weight_rounding, head_bits=args.head_bits,
                            outliers=outlier_spec(args.outliers))
 
 

@@ -88,6 +88,9 @@ class PrecisionPolicy:
     outliers: str = ""
     #: Width of the other float constants (biases, norm scales/shifts, position tables...): 8 or 16.
     const_bits: int = 8
+    #: Weight width of the lm_head (the MatMul/Gemm producing the logits): 8 or 16.  Top-1 agreement
+    #: reads its output directly; 16 bits cost 2 bytes per weight of one layer.
+    head_bits: int = 8
 
     def __post_init__(self) -> None:
         if self.act not in ("uint8", "uint16"):
@@ -113,6 +116,8 @@ class PrecisionPolicy:
             raise BadInputError(f"sensitive bits must be 8 or 16 (got {self.sensitive_bits})")
         if self.kv_bits not in (None, 8, 16):
             raise BadInputError(f"--kv-bits must be 8 or 16 (got {self.kv_bits})")
+        if self.head_bits not in (8, 16):
+            raise BadInputError(f"--head-bits must be 8 or 16 (got {self.head_bits})")
 
     @property
     def act_bits(self) -> int:
@@ -148,6 +153,7 @@ class PrecisionPolicy:
         gran = f"b{self.block_size}" if self.block_size else ("pc" if self.per_channel else "pt")
         extra = (" mse" if self.weight_scales == "mse" else "") + (f" +{len(self.raised)}" if self.raised else "") \
             + (f" {self.weight_rounding}" if self.weight_rounding != "nearest" else "") \
+            + (" h16" if self.head_bits == 16 else "") \
             + (" rot" if "rotate" in self.outliers else " smooth" if self.outliers else "")
         return f"w{self.weights}-{gran} a{self.act_bits} s{sens}{kv}{extra}"
 
@@ -340,14 +346,14 @@ def make_plan(ir: IRModel, policy: PrecisionPolicy) -> Plan:
     if unknown:
         raise BadInputError(f"raised layers {unknown[:3]} are not weighted MatMul/Gemm nodes of this graph")
     raised_weights = {nodes[n].inputs[1].name for n in policy.raised}
-    raised_16 = set()
+    raised_16 = set(head_weights(ir.graph)) if policy.head_bits == 16 else set()
     if policy.weight_bits == 4:  # the lm_head (and the embedding, an activation here) stay at 8 bit or more
-        plan.weights_8bit = sorted(set(head_weights(ir.graph)) | raised_weights)
+        plan.weights_8bit = sorted((set(head_weights(ir.graph)) | raised_weights) - raised_16)
     elif policy.act_bits == 8 and policy.raised:
         for n in policy.raised:
             plan.overrides.setdefault(nodes[n].outputs[0].name, [{"quant_type": QuantType.QUInt16}])
     elif policy.weight_bits == 8:  # w8a16: the weakest layers get 16-bit weights
-        raised_16 = raised_weights
+        raised_16 |= raised_weights
     for name, axis in weighted_inputs(ir.graph).items():
         wtype = QuantType.QInt8 if name in plan.weights_8bit else QuantType.QInt16 if name in raised_16 \
             else policy.weight_type

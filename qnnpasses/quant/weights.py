@@ -157,9 +157,10 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
         npdt = _NUMPY[qinit.data_type]
         if block and axis != 1:  # blocks were cut in [K, N] coordinates: back to the weight's layout
             q, scale = np.moveaxis(q, 1, axis), scale.T
-        qinit.CopyFrom(numpy_helper.from_array(q.astype(np.int8).astype(npdt), qinit.name))
+        # through int32, not int8: an int16 weight's integers do not fit int8 (they wrapped around)
+        qinit.CopyFrom(numpy_helper.from_array(q.astype(np.int32).astype(npdt), qinit.name))
         sinit.CopyFrom(numpy_helper.from_array(scale.astype(np.float32), sinit.name))
-        zinit.CopyFrom(numpy_helper.from_array(np.zeros(scale.shape, dtype=np.int8).astype(npdt), zinit.name))
+        zinit.CopyFrom(numpy_helper.from_array(np.zeros(scale.shape, dtype=np.int32).astype(npdt), zinit.name))
         for a in node.attribute:
             if a.name == "axis":
                 a.i = new_axis
