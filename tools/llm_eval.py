@@ -375,6 +375,11 @@ def _quant_note(doc: dict[str, Any]) -> str:
                                 if "rolled-back" in q.get("outlier_rewrites", {}).values() else "")
                              + ("; Q/K/V projections kept 2-D (per-channel int8 scales)" if q.get("recipe", 0) >= 3
                                 else "")
+                             + (f"; weights rounded by {q['weight_rounding'].upper()}"
+                                if q.get("weight_rounding", "nearest") != "nearest" else "")
+                             + (("; lm_head weights at 16 bit" if q["lm_head"]["ok"] else
+                                 "; lm_head weights at 8 bit (its 16-bit weights failed the build's dequantization "
+                                 "check, so the pair was requantized with an 8-bit lm_head)") if q.get("lm_head") else "")
                              + (f"; the decode graph's {q['own_activation_ranges']:,} internal activations calibrated "
                                 "on its own calls (only the weights and the KV cache passed between the graphs "
                                 "share encodings)" if q.get("own_activation_ranges") else ""))
@@ -507,7 +512,9 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             outliers = {p["pass"]: p["status"] for p in passes}
             res["builds"][precision]["quantization"] = {**{k: q[k] for k in ("samples", "shared_tensors", "ties")},
                                                         "sequences": sequences, "outlier_rewrites": outliers,
-                                                        "recipe": q.get("recipe", 1),
+                                                        "recipe": q.get("recipe", 1), "lm_head": q.get("lm_head"),
+                                                        "weight_rounding": q["graphs"]["prefill"]["policy"].get(
+                                                            "weight_rounding", "nearest"),
                                                         "own_activation_ranges": sum(
                                                             (q.get("own_activation_ranges") or {}).values())}
         if precision == "fp16":
