@@ -31,8 +31,8 @@ from qnnpasses.passmanager.rewrite import constant_value
 MAX_SAMPLES = 64
 #: what a quantized pair's report records as ``quantization.recipe``; bumped when the way a pair is
 #: quantized changes (2: outlier rewrites on both graphs at once, :mod:`qnnpasses.llm.outliers`; 3: 2-D Q/K/V;
-#: 4: decode's own activation ranges; 5: 16-bit lm_head)
-RECIPE = 5
+#: 4: decode's own activation ranges; 5: 16-bit lm_head; 6: its check allows GPTQ's moves)
+RECIPE = 6
 
 
 def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
@@ -225,7 +225,8 @@ def pair_policy(precision: str, prefill: IRModel, logits: str):
 
 
 def _dequantized_weight_matches(path: Path, node_name: str, weight: np.ndarray) -> bool:
-    """True when the QDQ graph's weight of MatMul ``node_name`` dequantizes to ``weight`` within one step."""
+    """True when the QDQ graph's weight of MatMul ``node_name`` dequantizes closer to the float ``weight``
+    than per-channel int8 rounding of it would (what a 16-bit weight must beat, GPTQ's moves included)."""
     import onnx
     from onnx import numpy_helper
 
@@ -238,12 +239,13 @@ def _dequantized_weight_matches(path: Path, node_name: str, weight: np.ndarray) 
     q = numpy_helper.to_array(inits[dq.input[0]]).astype(np.float64)
     scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
     zero = numpy_helper.to_array(inits[dq.input[2]]).astype(np.float64) if len(dq.input) > 2 else 0.0
-    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-    if scale.ndim == 1 and q.ndim == 2 and axis in (1, -1):
-        step, value = scale[None, :], (q - np.asarray(zero)[None, ...]) * scale[None, :]
-    else:
-        step, value = scale, (q - zero) * scale
-    return q.shape == weight.shape and bool(np.all(np.abs(value - weight.astype(np.float64)) <= step))
+    w = weight.astype(np.float64)
+    if q.shape != w.shape or q.ndim != 2:
+        return False
+    value = (q - zero) * scale if scale.ndim == 0 else (q - np.asarray(zero).reshape(1, -1)) * scale.reshape(1, -1)
+    step8 = np.maximum(np.abs(w).max(axis=0, keepdims=True), 1e-30) / 127
+    int8_error = np.linalg.norm(np.round(w / step8) * step8 - w)
+    return bool(np.linalg.norm(value - w) < int8_error)
 
 
 def _logits_matmul(ir: IRModel, logits: str) -> str | None:
