@@ -304,7 +304,7 @@ def _gptq_lines(rows: list[dict], curve: list[dict]) -> list[str]:
         for r in cells:
             if "gptq" not in r["precision"]:
                 continue
-            base = by.get(re.sub(r"gptqa?(?=\+|$)", "", r["cell"]))
+            base = by.get(re.sub(r"gptqa?(?=(?:h16)?(?:\+|$))", "", r["cell"]))
             w = r.get("weights") or {}
             ratio = w.get("output_error_gptq_over_nearest")
             err = (f"; output error ×{ratio:.3f} of nearest (Hessians {w['hessian_seconds']:.0f} s, rounding "
