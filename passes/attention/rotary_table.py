@@ -132,7 +132,7 @@ def _cone_model(graph: gs.Graph, cone: _Cone) -> onnx.ModelProto:
             [onnx.ValueInfoProto(name=n.outputs[0].name) for n in cone.trig],
             initializer=[OnnxExporter.export_tensor_proto(c) for c in constants.values()]),
         opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in _opsets(graph).items()])
-    model.ir_version = 8
+    model.ir_version = 10  # what onnxruntime reads for every opset an export uses (up to 22)
     return model
 
 
@@ -184,7 +184,7 @@ def tables(graph: gs.Graph, cone: _Cone, positions: int) -> tuple[list[np.ndarra
 @register_pass
 class RotaryTable(Pass):
     name = "rotary-table"
-    summary = "rotary Cos/Sin computed from integer positions => Gather from a [positions, d] table (fp16-exact angles)"
+    summary = "rotary Cos/Sin computed from integer positions => Gather from a [positions, d] table (no angle rounded in fp16)"
     contract = assumes("every position is in [0, positions)",
                        holds_on=(CASE_RANDOM, CASE_PADDED_RIGHT, CASE_PADDED_LEFT, CASE_MASKED, CASE_EXTREME,
                                  CASE_GIVEN))
