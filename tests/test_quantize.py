@@ -321,3 +321,19 @@ def test_block_wise_int4_runs_on_htp_and_beats_per_channel(small, tmp_path):
         assert ev.qnn_partitions == 1 and ev.cpu_nodes == []
         scores[block] = ev.headline.cosine
     assert scores[32] > scores[None] > 0.99
+
+
+def test_the_lm_head_of_a_static_cache_graph_is_the_logits_projection_not_the_v_projections():
+    """In a static-cache decode graph every V projection reaches a ``new.*.value`` output through
+    reshapes, like the lm_head reaches ``logits``: only the vocabulary-wide one is the lm_head."""
+    from qnnpasses.llm import convert
+    from qnnpasses.quant.policy import head_outputs, head_weights
+
+    model = fixture_path("llama_gqa_kv_dyn_ts")
+    ir, _ = convert.static_graph(model, convert.export_roles(load_model(model)), 1, 255)
+    matmuls = {n.inputs[1].name: n for n in ir.graph.nodes if n.op == "MatMul" and len(n.inputs) > 1}
+    candidates = [w for w, n in matmuls.items() if n.outputs[0].name in set(head_outputs(ir.graph))]
+    assert len(candidates) > 1  # the V projections look like heads too
+    (head,) = head_weights(ir.graph)
+    logits = next(t for t in ir.graph.outputs if t.name == "logits")
+    assert matmuls[head].outputs[0].shape[-1] == logits.shape[-1]

@@ -289,10 +289,21 @@ def norm_scales(graph: gs.Graph) -> list[str]:
 
 
 def head_weights(graph: gs.Graph) -> list[str]:
-    """Constant weights of the MatMul/Gemm producing a graph output through shape ops (the lm_head)."""
+    """Constant weights of the MatMul/Gemm producing a graph output through shape ops (the lm_head).
+
+    In a static-cache graph the V projections reach their ``new.*.value`` outputs through
+    reshapes too; of several such weights the lm_head is the widest (vocabulary-sized) output.
+    """
     names = set(head_outputs(graph))
-    return [n.inputs[1].name for n in graph.nodes if n.op in ("MatMul", "Gemm") and n.outputs[0].name in names
-            and isinstance(n.inputs[1], gs.Constant)]
+    found = [n for n in graph.nodes if n.op in ("MatMul", "Gemm") and n.outputs[0].name in names
+             and isinstance(n.inputs[1], gs.Constant)]
+
+    def width(node: gs.Node) -> int:
+        shape = node.outputs[0].shape
+        return int(shape[-1]) if shape and isinstance(shape[-1], int) else 0
+
+    widest = max(map(width, found), default=0)
+    return [n.inputs[1].name for n in found if width(n) == widest]
 
 
 def weighted_nodes(graph: gs.Graph) -> dict[str, gs.Node]:
