@@ -184,7 +184,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         wrong = [name for name, weight in raised.items() if not all(
             _dequantized_weight_matches(outputs[g], name, weight) for g in outputs)]
         lm_head = {"raised_to_16_bit": sorted(raised), "ok": not wrong}
-        if wrong:  # seen with onnxruntime's quantizer on a small random model: int8-sized values in an int16 weight
+        if wrong:  # a guard: refine_weights once wrote int16 weights through int8 (int8-sized values; fixed)
             lm_head["fallback"] = f"the 16-bit weights of {wrong} do not dequantize to the float ones: requantized at 8 bit"
             models = {name: load_model(path) for name, path in rewritten.items()}
             for name, ir in models.items():
