@@ -36,7 +36,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from qnnpasses.ir.graph_ops import toposort
+from qnnpasses.ir.graph_ops import graph_opsets, toposort
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
     CASE_EXTREME,
@@ -131,16 +131,9 @@ def _cone_model(graph: gs.Graph, cone: _Cone) -> onnx.ModelProto:
                                                 list(p.shape))],
             [onnx.ValueInfoProto(name=n.outputs[0].name) for n in cone.trig],
             initializer=[OnnxExporter.export_tensor_proto(c) for c in constants.values()]),
-        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in _opsets(graph).items()])
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in graph_opsets(graph).items()])
     model.ir_version = 10  # what onnxruntime reads for every opset an export uses (up to 22)
     return model
-
-
-def _opsets(graph: gs.Graph) -> dict[str, int]:
-    opsets = {"": int(graph.opset)}
-    for domain in getattr(graph, "import_domains", None) or ():
-        opsets.setdefault(domain.domain or "", int(domain.version))
-    return opsets
 
 
 def tables(graph: gs.Graph, cone: _Cone, positions: int) -> tuple[list[np.ndarray] | None, str]:

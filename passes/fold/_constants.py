@@ -35,7 +35,7 @@ from qnnpasses.passes.fold._nops import (
     remove_nops,
 )
 
-from qnnpasses.ir.graph_ops import finish_graph, toposort
+from qnnpasses.ir.graph_ops import finish_graph, graph_opsets, toposort
 from qnnpasses.ir.model import const_nbytes
 from qnnpasses.ir.shapes import is_static
 from qnnpasses.passmanager.rewrite import constant_value
@@ -250,15 +250,6 @@ def fold_constant_nodes(graph: gs.Graph, max_bytes: int, report: FoldReport) -> 
             continue
         _replace_outputs(node, values)
         report.nodes_folded += 1
-
-
-def graph_opsets(graph: gs.Graph) -> dict[str, int]:
-    """Domain -> version of the graph's opset imports (the default domain always present)."""
-    opsets = {"": int(graph.opset)}
-    for entry in graph.import_domains or []:
-        if entry.domain not in ("", "ai.onnx"):
-            opsets[entry.domain] = int(entry.version)
-    return opsets
 
 
 def _replace_outputs(node: gs.Node, values: list[np.ndarray]) -> None:

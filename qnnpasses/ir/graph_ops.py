@@ -168,6 +168,15 @@ def cleanup(graph: gs.Graph) -> gs.Graph:
     return graph
 
 
+def graph_opsets(graph: gs.Graph) -> dict[str, int]:
+    """Domain -> version of the graph's opset imports (the default domain always present, once)."""
+    opsets = {"": int(graph.opset)}
+    for entry in graph.import_domains or []:
+        if entry.domain not in ("", "ai.onnx"):
+            opsets[entry.domain] = int(entry.version)
+    return opsets
+
+
 def finish_graph(graph: gs.Graph) -> gs.Graph:
     """:func:`cleanup` then :func:`toposort`: what a rewrite ends with."""
     return toposort(cleanup(graph))
