@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                                   work / f"qp{n}-r.onnx")
     report_job = {n: "report" if n == REFERENCE_LAYERS else f"report{n}" for n in layers}
     timings = timed(jobs, args.repeat, args.timeout, reports={report_job[n]: work / f"report{n}" for n in layers})
-    peers = {k: v for k, v in timings.items() if isinstance(k, str) and not k.startswith("report") or k == "report"}
+    # the tools at the reference depth; "report<n>" jobs only give the other depths their per-pass table
+    peers = {k: v for k, v in timings.items() if isinstance(k, str) and (k == "report" or not k.startswith("report"))}
     depth = {n: timings["qnnpasses" if n == REFERENCE_LAYERS else n] for n in layers}
     per_pass = {n: timings[report_job[n]]["passes"] for n in layers if timings[report_job[n]]["passes"]}
     load_after = os.getloadavg()
