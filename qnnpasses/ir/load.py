@@ -125,6 +125,8 @@ def _external_sources(proto: onnx.ModelProto, base_dir: Path, where: str) -> dic
     """Check every external-data reference and map each tensor to its bytes on disk."""
     sources: dict[tuple, ExternalSource] = {}
     sizes: dict[Path, int] = {}
+    files: dict[str, Path] = {}  # location -> resolved file: resolving is a syscall per path component
+    folder = base_dir.resolve()
     for tensor in _all_initializers(proto.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
@@ -132,11 +134,13 @@ def _external_sources(proto: onnx.ModelProto, base_dir: Path, where: str) -> dic
         location = info.get("location")
         if not location:
             raise BadInputError(f"{where}: tensor '{tensor.name}' is external but names no data file")
-        file = (base_dir / location).resolve()
-        if not file.is_relative_to(base_dir.resolve()):
-            # onnxruntime refuses these too; reading them would let a model pull in any file
-            raise BadInputError(f"{where}: external data location '{location}' of tensor '{tensor.name}' "
-                                "points outside the model's folder")
+        file = files.get(location)
+        if file is None:
+            file = files[location] = (base_dir / location).resolve()
+            if not file.is_relative_to(folder):
+                # onnxruntime refuses these too; reading them would let a model pull in any file
+                raise BadInputError(f"{where}: external data location '{location}' of tensor '{tensor.name}' "
+                                    "points outside the model's folder")
         if file not in sizes:
             if not file.is_file():
                 raise BadInputError(f"{where}: external data file '{location}' for tensor '{tensor.name}' is missing")

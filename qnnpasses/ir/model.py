@@ -431,10 +431,9 @@ def resolve_stubs(proto: onnx.ModelProto, sources: list[Source], data_file: Path
 
 
 def _all_zero(chunk: bytes | memoryview) -> bool:
-    data = chunk if isinstance(chunk, bytes) else bytes(chunk) if len(chunk) < 4096 else None
-    if data is None:
-        return not np.frombuffer(chunk, dtype=np.uint8).any()
-    return data.count(0) == len(data)
+    """Whether ``chunk`` holds only zero bytes (numpy scans about ten times faster than
+    ``bytes.count``, which made this check cost as much as writing the chunk)."""
+    return not np.frombuffer(chunk, dtype=np.uint8).any()
 
 
 def _write_external(tensor: onnx.TensorProto, chunks, out, data_file: Path) -> None:
@@ -499,7 +498,7 @@ def save_model(ir: IRModel, path: str | os.PathLike, *, external_data: bool | No
 
 
 def _refuse_overwriting_input(ir: IRModel, out: Path, data_file: Path | None) -> None:
-    protected = {s.path.resolve() for s in _external_files(ir)}
+    protected = {path.resolve() for path in {s.path for s in _external_files(ir)}}  # resolve each file once
     if ir.path is not None:
         protected.add(ir.path.resolve())
     for target in (out, data_file):
