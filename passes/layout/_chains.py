@@ -18,6 +18,8 @@ chain's: the output is bit-identical for any input.
 
 from __future__ import annotations
 
+import copy
+
 import onnx_graphsurgeon as gs
 from qnnpasses.passes.layout._forms import Form, cheapest_form
 
@@ -75,16 +77,42 @@ def _cost(chain: list[gs.Node]) -> int:
     return sum(1 + EXTRA_COST.get(n.op, 0) for n in chain)
 
 
-def improve(chain: list[gs.Node], opset: int) -> Form | None:
-    """The cheapest replacement of the whole ``chain`` if it saves an op."""
-    x_shape = static_shape(chain[0].inputs[0])
-    if x_shape is None or static_shape(chain[-1].outputs[0]) is None:
+def improve(chain: list[gs.Node], opset: int, memo: dict | None = None) -> Form | None:
+    """The cheapest replacement of the whole ``chain`` if it saves an op.
+
+    The answer depends only on the chain's ops, attributes, constant inputs and end shapes:
+    ``memo`` keeps it per such signature (an LLM repeats each chain once per layer).
+    """
+    x_shape, y_shape = static_shape(chain[0].inputs[0]), static_shape(chain[-1].outputs[0])
+    if x_shape is None or y_shape is None:
         return None
     values = [[input_value(n, i) for i in range(max(len(n.inputs), 5))] for n in chain]
+    key = _signature(chain, values, x_shape, y_shape, opset) if memo is not None else None
+    if key is not None and key in memo:
+        return copy.deepcopy(memo[key])  # the emitted constants must not share index arrays
     index = index_map(chain, x_shape, values, opset)
-    if index is None or tuple(index.shape) != static_shape(chain[-1].outputs[0]):
+    form = None if index is None or tuple(index.shape) != y_shape else cheapest_form(index, x_shape, _cost(chain))
+    if key is not None:
+        memo[key] = form
+    return form
+
+
+def _signature(chain: list[gs.Node], values: list[list], x_shape: tuple, y_shape: tuple, opset: int):
+    """A hashable key for everything :func:`improve` reads, or None if an attribute is not hashable."""
+    def attr(value):
+        return tuple(value) if isinstance(value, list) else value
+
+    def const(value):
+        return None if value is None else (value.dtype.str, value.shape, value.tobytes())
+
+    key = (opset, x_shape, y_shape, tuple(
+        (n.op, tuple(sorted((k, attr(v)) for k, v in n.attrs.items())), tuple(const(v) for v in vals))
+        for n, vals in zip(chain, values)))
+    try:
+        hash(key)
+    except TypeError:
         return None
-    return cheapest_form(index, x_shape, _cost(chain))
+    return key
 
 
 def emit_form(ir: IRModel, ctx: PassContext, x: gs.Tensor, form: Form, hint: str) -> gs.Tensor:
@@ -110,13 +138,13 @@ def _replace(ir: IRModel, ctx: PassContext, chain: list[gs.Node], form: Form) ->
         node.outputs.clear()
 
 
-def _best_sub_chain(chain: list[gs.Node], opset: int) -> tuple[list[gs.Node], Form] | None:
+def _best_sub_chain(chain: list[gs.Node], opset: int, memo: dict) -> tuple[list[gs.Node], Form] | None:
     """The contiguous sub-chain whose replacement saves the most ops (then: smallest index tables)."""
     best, best_key = None, None
     for length in range(len(chain), 0, -1):
         for start in range(len(chain) - length + 1):
             sub = chain[start:start + length]
-            form = improve(sub, opset)
+            form = improve(sub, opset, memo)
             if form is None:
                 continue
             key = (_cost(sub) - form.cost, -form.gathered, length)
@@ -128,10 +156,11 @@ def _best_sub_chain(chain: list[gs.Node], opset: int) -> tuple[list[gs.Node], Fo
 def rewrite_chains(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -> int:
     """One sweep over all chains; returns how many were replaced."""
     done = 0
+    memo: dict = {}
     for chain in find_chains(ir.graph):
         if any(not n.outputs for n in chain):  # touched by an earlier replacement in this sweep
             continue
-        found = _best_sub_chain(chain, ir.opset)
+        found = _best_sub_chain(chain, ir.opset, memo)
         if found is None:
             continue
         sub, form = found

@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
-    constant_value,
+    constant_shape,
     emit_reshape,
     input_value,
     is_constant,
@@ -43,6 +43,7 @@ AXIS_ATTR = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormal
 REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceSumSquare",
                     "ReduceProd", "ReduceLogSumExp"})
 RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+ROW_OPS = ELEMENTWISE | AXIS_ATTR | REDUCE | {"MatMul", "Slice"}
 
 
 def _rowable(t: gs.Tensor) -> bool:
@@ -76,12 +77,12 @@ def _row_axes_ok(node: gs.Node, rank: int, opset: int) -> bool:
 
 def _side_ok(t: gs.Tensor) -> bool:
     """A non-region operand: fine when dropping leading unit dims keeps its broadcast."""
-    shape = np.shape(constant_value(t)) if is_constant(t) else static_shape(t)
+    shape = constant_shape(t) if is_constant(t) else static_shape(t)
     return shape is not None and (len(shape) <= 2 or all(d == 1 for d in shape[:-2]))
 
 
 def _eligible(node: gs.Node, opset: int) -> bool:
-    if node.domain not in ("", "ai.onnx", None):
+    if node.op not in ROW_OPS or node.domain not in ("", "ai.onnx", None):
         return False
     outs = [t for t in node.outputs if t.name]
     if not outs or not all(_rowable(t) for t in outs):
@@ -92,8 +93,6 @@ def _eligible(node: gs.Node, opset: int) -> bool:
         return _rowable(node.inputs[0]) and is_constant(node.inputs[1]) and _side_ok(node.inputs[1])
     if node.op == "Slice":
         return len(data) == 1 and _rowable(data[0]) and _row_axes_ok(node, rank, opset)
-    if node.op not in ELEMENTWISE | AXIS_ATTR | REDUCE:
-        return False
     if node.op in REDUCE or node.op in AXIS_ATTR - {"Concat"}:
         data = data[:1]
     return _row_axes_ok(node, rank, opset) and all(_rowable(t) or _side_ok(t) for t in data) \

@@ -25,7 +25,8 @@ a FullyConnected; for per-channel weight quantization keep FullyConnected
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -34,6 +35,7 @@ from qnnpasses.ir.index_map import index_map
 from qnnpasses.ir.model import IRModel, derived_from
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
+    constant_shape,
     constant_value,
     emit,
     input_value,
@@ -48,14 +50,25 @@ from qnnpasses.passmanager.rewrite import (
 
 @dataclass
 class Projection:
-    """``y = x @ w (+ bias)``: the nodes computing it and its constant weight ``w`` as ``[K, N]``."""
+    """``y = x @ w (+ bias)``: the nodes computing it and its constant weight ``w`` as ``[K, N]``.
+
+    ``w`` is read only when a rewrite uses it: matching needs only its ``shape``, and reading
+    a derived weight recomputes it.
+    """
 
     x: gs.Tensor
-    w: np.ndarray
+    weight: gs.Tensor
+    shape: tuple[int, ...]
     bias: np.ndarray | None
     nodes: list
     output: gs.Tensor
     gemm: bool = False
+    transposed: bool = False
+
+    @cached_property
+    def w(self) -> np.ndarray:
+        value = constant_value(self.weight)
+        return value.T if self.transposed else value
 
 
 def _row_bias(bias: np.ndarray, n: int) -> np.ndarray | None:
@@ -73,27 +86,31 @@ def projection_of(graph: gs.Graph, tensor: gs.Tensor) -> Projection | None:
         return None
     if node.op == "Add":
         inner = [t for t in node.inputs if not is_constant(t)]
-        bias = next((constant_value(t) for t in node.inputs if is_constant(t)), None)
-        if len(inner) != 1 or bias is None or single_consumer(inner[0], graph) is not node:
+        if len(inner) != 1 or len(inner) == len(node.inputs) or single_consumer(inner[0], graph) is not node:
             return None
         base = projection_of(graph, inner[0])
-        if base is None or base.bias is not None or bias.ndim > 1 and np.prod(bias.shape[:-1]) != 1:
+        if base is None or base.bias is not None:
             return None
-        return Projection(base.x, base.w, bias.reshape(-1), base.nodes + [node], tensor)
-    if node.op == "MatMul" and is_constant(node.inputs[1]) and constant_value(node.inputs[1]).ndim == 2:
-        return Projection(node.inputs[0], constant_value(node.inputs[1]), None, [node], tensor)
+        bias = constant_value(next(t for t in node.inputs if is_constant(t)))
+        if bias is None or bias.ndim > 1 and np.prod(bias.shape[:-1]) != 1:
+            return None
+        return replace(base, bias=bias.reshape(-1), nodes=base.nodes + [node], output=tensor, gemm=False)
+    if node.op == "MatMul" and is_constant(node.inputs[1]):
+        shape = constant_shape(node.inputs[1])
+        return Projection(node.inputs[0], node.inputs[1], shape, None, [node], tensor) if len(shape) == 2 else None
     if node.op == "Gemm" and is_constant(node.inputs[1]) and not node.attrs.get("transA", 0) \
             and node.attrs.get("alpha", 1.0) == 1.0 and node.attrs.get("beta", 1.0) == 1.0:
-        w = constant_value(node.inputs[1])
-        w = w.T if node.attrs.get("transB", 0) else w
+        transposed = bool(node.attrs.get("transB", 0))
+        shape = constant_shape(node.inputs[1])
+        shape = shape[::-1] if transposed else shape
         bias = input_value(node, 2)
         if len(node.inputs) > 2 and node.inputs[2].name and bias is None:
             return None
         if bias is not None:
-            bias = _row_bias(bias, w.shape[1])
+            bias = _row_bias(bias, shape[1])
             if bias is None:
                 return None
-        return Projection(node.inputs[0], w, bias, [node], tensor, gemm=True)
+        return Projection(node.inputs[0], node.inputs[1], shape, bias, [node], tensor, gemm=True, transposed=transposed)
     return None
 
 
@@ -158,7 +175,7 @@ def rewrite_split_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) 
             continue
         if proj.bias is not None and not proj.gemm:
             continue
-        pieces = [_slice_range(c, out, proj.w.shape[1]) for c in out.outputs]
+        pieces = [_slice_range(c, out, proj.shape[1]) for c in out.outputs]
         if any(p is None for p in pieces):
             continue
         for target, lo, hi in (piece for group in pieces for piece in group):
@@ -215,7 +232,7 @@ def rewrite_head_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -
             h, d = heads
             y = chain[length - 1].outputs[0]
             lead = (1,) * (len(y.shape) - 3)
-            k = proj.w.shape[0]
+            k = proj.shape[0]
             bias = None if proj.bias is None else proj.bias.reshape(lead + (h, 1, d))
             new = emit_projection(ir, ctx, proj,
                                   lambda w, k=k, h=h, d=d, lead=lead: w.reshape(k, h, d).transpose(1, 0, 2).reshape(lead + (h, k, d)),

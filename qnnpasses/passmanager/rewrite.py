@@ -69,6 +69,14 @@ def constant_value(tensor: gs.Tensor | None, *, through_identity: bool = False) 
     return None
 
 
+def constant_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
+    """The shape of a constant's value without reading it (a mapped or derived weight stays unread)."""
+    if isinstance(tensor, gs.Constant):
+        return tuple(int(d) for d in tensor.shape)
+    value = constant_value(tensor)
+    return None if value is None else value.shape
+
+
 def is_constant(tensor: gs.Tensor | None) -> bool:
     """Whether ``tensor``'s value is known at rewrite time, without reading that value."""
     if isinstance(tensor, gs.Constant):
@@ -210,11 +218,15 @@ def last_axis(axis: int, rank: int | None) -> bool:
 
 def static_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
     """The tensor's shape when every dimension is a known non-negative integer."""
-    if tensor is None or tensor.shape is None:
+    shape = None if tensor is None else tensor.shape
+    if shape is None:
         return None
-    if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in tensor.shape):
-        return None
-    return tuple(int(d) for d in tensor.shape)
+    dims = []
+    for d in shape:
+        if not isinstance(d, (int, np.integer)) or d < 0:
+            return None
+        dims.append(int(d))
+    return tuple(dims)
 
 
 def input_value(node: gs.Node, index: int) -> np.ndarray | None:
