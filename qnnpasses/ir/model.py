@@ -15,13 +15,14 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_import_domains
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, check_duplicate_node_names
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
+from onnx_graphsurgeon.logger import G_LOGGER
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.graph_ops import copy_graph
@@ -128,6 +129,43 @@ class _StubValues(LazyValues):
     """Stands in for a constant's values while exporting: the proto refers to a source index."""
 
 
+class _LastExport:
+    """What one export built, for the next export to reuse: the pass manager exports the
+    graph after every pass, and a pass changes little of it.  Keys hold everything the
+    built object holds, so an object is reused only where building it afresh would give
+    the same.  Only what the last export used is kept: the cache never outgrows a graph.
+    Reused protobuf objects are only ever copied into an export, never handed out."""
+
+    def __init__(self) -> None:
+        self._previous: dict = {}
+        self._current: dict = {}
+
+    def reuse(self, key: tuple, build):
+        """The object built for ``key`` by the last export, else ``build(key)``."""
+        found = self._previous.get(key)
+        if found is None:
+            found = build(key)
+        self._current[key] = found
+        return found
+
+    def finish(self) -> None:
+        """An export ended: what it used is what the next one may reuse."""
+        self._previous, self._current = self._current, {}
+
+
+def _make_stub(key: tuple) -> _StubValues:
+    name, data_type, dims, index = key
+    stub = onnx.TensorProto(name=name, data_type=data_type, dims=dims)
+    stub.data_location = onnx.TensorProto.EXTERNAL
+    stub.external_data.add(key="location", value=f"{_STUB_PREFIX}{index}")
+    return _StubValues(stub)
+
+
+# Stubs by (name, dtype, dims, source index), NodeProtos by _node_key, main-graph
+# ValueInfoProtos by _value_info_key.
+_STUBS, _NODE_PROTOS, _VALUE_INFOS = _LastExport(), _LastExport(), _LastExport()
+
+
 @dataclass
 class IRModel:
     """A model under rewrite: the graph and the ``ModelProto`` fields around it."""
@@ -142,6 +180,9 @@ class IRModel:
     doc_string: str = ""
     metadata_props: dict[str, str] = field(default_factory=dict)
     had_external_data: bool = False
+    #: the fingerprint (:mod:`qnnpasses.ir.fingerprint`) of the graph as it last passed
+    #: :func:`qnnpasses.ir.checks.check_model` with its shapes refreshed
+    checked: Any = field(default=None, repr=False, compare=False)
 
     @property
     def opset(self) -> int:
@@ -170,7 +211,7 @@ class IRModel:
         # graphsurgeon's copy shares the opset-import objects: a pass that raises an
         # opset in place must not change the rollback copy too
         graph.import_domains = copy.deepcopy(self.graph.import_domains)
-        fields.update(graph=graph, metadata_props=dict(self.metadata_props))
+        fields.update(graph=graph, metadata_props=dict(self.metadata_props), checked=None)
         return IRModel(**fields)
 
 
@@ -311,13 +352,12 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
                 # external data is always stubbed: its location is relative to the input's folder
                 if const_nbytes(tensor) < threshold and not isinstance(tensor._values, ExternalValues):
                     continue
-                stub = onnx.TensorProto(name=tensor.name, data_type=_onnx_dtype(tensor), dims=list(tensor.shape))
-                stub.data_location = onnx.TensorProto.EXTERNAL
-                stub.external_data.add(key="location", value=f"{_STUB_PREFIX}{len(sources)}")
+                stub = _STUBS.reuse((tensor.name, _onnx_dtype(tensor), tuple(tensor.shape), len(sources)), _make_stub)
                 sources.append(_source_of(tensor))
                 swapped.append((tensor, tensor._values))
-                tensor._values = _StubValues(stub)
-        proto = gs.export_onnx(ir.graph, do_type_check=False) if value_infos else _export_without_value_infos(ir.graph)
+                tensor._values = stub
+        proto = _export_model(ir.graph, value_infos)
+        _STUBS.finish()
     finally:
         for tensor, values in swapped:
             tensor._values = values
@@ -333,25 +373,133 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
     return proto, sources
 
 
-def _export_without_value_infos(graph: gs.Graph) -> onnx.ModelProto:
-    """``gs.export_onnx`` minus the main graph's intermediate value infos."""
+def _export_model(graph: gs.Graph, value_infos: bool) -> onnx.ModelProto:
+    """``gs.export_onnx(graph, do_type_check=False)``, byte for byte, with the main graph's
+    nodes from :func:`_export_nodes`; ``value_infos=False`` leaves out its intermediate
+    value infos (and takes the initializers by name, see :func:`_initializers`)."""
     exporter = OnnxExporter
-    constants = list(_initializers(graph))
+    nodes = _export_nodes(graph.nodes)
+    inputs = [exporter.export_value_info_proto(t, False) for t in graph.inputs]
+    outputs = [exporter.export_value_info_proto(t, False) for t in graph.outputs]
+    if value_infos:
+        check_duplicate_node_names(graph.nodes, level=G_LOGGER.WARNING)
+        tensor_map = graph.tensors()
+        constants = [t for t in tensor_map.values() if isinstance(t, gs.Constant)]
+        for tensor in graph.inputs + graph.outputs:
+            tensor_map.pop(tensor.name, None)
+        infos = _export_value_infos(t for t in tensor_map.values()
+                                    if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None))
+    else:
+        constants, infos = list(_initializers(graph)), []
     onnx_graph = onnx.helper.make_graph(
-        nodes=[exporter.export_node(node) for node in graph.nodes],
+        nodes=nodes,
         name=graph.name,
-        inputs=[exporter.export_value_info_proto(t, False) for t in graph.inputs],
-        outputs=[exporter.export_value_info_proto(t, False) for t in graph.outputs],
+        inputs=inputs,
+        outputs=outputs,
         initializer=[exporter.export_tensor_proto(t) for t in constants if not isinstance(t._values, SparseValues)],
         sparse_initializer=[exporter.export_sparse_tensor_proto(t) for t in constants if isinstance(t._values, SparseValues)],
         doc_string=graph.doc_string,
+        value_info=infos,
     )
     model = onnx.helper.make_model(onnx_graph, functions=[exporter.export_function(f) for f in graph.functions],
-                                   opset_imports=update_import_domains(graph))
+                                   opset_imports=_opset_imports(graph))
     model.producer_name, model.producer_version = graph.producer_name, graph.producer_version
     if graph.ir_version is not None:
         model.ir_version = graph.ir_version
     return model
+
+
+def _opset_imports(graph: gs.Graph) -> list[onnx.OperatorSetIdProto]:
+    """graphsurgeon's ``update_import_domains``: the graph's opset imports, after adding (at
+    version 1) every domain a node of it or of a subgraph uses.  Walks the subgraphs with
+    :func:`iter_graphs`, a tenth of the cost of graphsurgeon's generator per node."""
+    if graph.import_domains is None:
+        graph.import_domains = [onnx.helper.make_opsetid("", graph.opset)]
+    used = {node.domain for g in iter_graphs(graph) for node in g.nodes}
+    used.discard(None)
+    current = {opset.domain for opset in graph.import_domains}
+    for domain in used:
+        if domain not in current:
+            graph.import_domains.append(onnx.helper.make_opsetid(domain, 1))
+            current.add(domain)
+    return graph.import_domains
+
+
+_PLAIN_ATTRIBUTES = (int, bool, str, bytes, type)
+
+
+def _export_nodes(nodes: list[gs.Node]) -> list[onnx.NodeProto]:
+    """Every node's NodeProto, the last export's where the node still holds the same (building
+    them afresh was most of an export's cost)."""
+    protos = []
+    for node in nodes:
+        key = _node_key(node)
+        protos.append(OnnxExporter.export_node(node) if key is None
+                      else _NODE_PROTOS.reuse(key, lambda _, node=node: OnnxExporter.export_node(node)))
+    _NODE_PROTOS.finish()
+    return protos
+
+
+def _export_value_infos(tensors) -> list[onnx.ValueInfoProto]:
+    """The main graph's value infos, the last export's where the tensor still has the same
+    name, type and shape."""
+    infos = []
+    for tensor in tensors:
+        key = _value_info_key(tensor)
+        infos.append(OnnxExporter.export_value_info_proto(tensor, False) if key is None
+                     else _VALUE_INFOS.reuse(key, lambda _, t=tensor: OnnxExporter.export_value_info_proto(t, False)))
+    _VALUE_INFOS.finish()
+    return infos
+
+
+def _value_info_key(tensor: gs.Tensor) -> tuple | None:
+    """All ``export_value_info_proto`` reads from ``tensor`` (dims with their types: a numpy
+    integer would fail where an int exports), or ``None`` when that is not hashable."""
+    shape = tensor.shape
+    key = (type(tensor), tensor.name, type(tensor.dtype), tensor.dtype, getattr(tensor, "type", None),
+           None if shape is None else (type(shape), tuple(shape), tuple(map(type, shape))))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _node_key(node: gs.Node) -> tuple | None:
+    """All ``export_node`` reads from ``node``, by value: op, domain, name, tensor names and
+    attributes (with their Python types, as ``1``, ``1.0`` and ``True`` export differently;
+    floats by their bits, as ``-0.0 == 0.0``).  ``None`` for a node with a tensor, graph or
+    other non-plain attribute: that one is exported afresh every time."""
+    attributes = []
+    for name, value in node.attrs.items():
+        kind = type(value)
+        if kind in _PLAIN_ATTRIBUTES:
+            attributes.append((name, kind, value))
+        elif kind is float:
+            attributes.append((name, kind, value.hex()))
+        elif kind is list or kind is tuple:
+            items = _plain_items(value)
+            if items is None:
+                return None
+            attributes.append((name, kind, items))
+        else:
+            return None
+    return (node.op, node.domain, node.name, tuple([t.name for t in node.inputs]),
+            tuple([t.name for t in node.outputs]), tuple(attributes))
+
+
+def _plain_items(values: list | tuple) -> tuple | None:
+    """A list attribute's items as ``(type, value)`` pairs, or ``None`` if one is not plain."""
+    items = []
+    for value in values:
+        kind = type(value)
+        if kind is float:
+            items.append((kind, value.hex()))
+        elif kind in _PLAIN_ATTRIBUTES:
+            items.append((kind, value))
+        else:
+            return None
+    return tuple(items)
 
 
 def _initializers(graph: gs.Graph) -> Iterator[gs.Constant]:
