@@ -12,22 +12,38 @@ import functools
 import onnx
 import onnx_graphsurgeon as gs
 
+from qnnpasses.ir.fingerprint import Fingerprint, fingerprint
 from qnnpasses.ir.model import IRModel, export_with_stubs, stub_index
 
 # Domains whose operators onnxruntime knows even where onnx has no schema for them.
 KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training", "com.microsoft.nchwc"})
 
 
-def check_model(ir: IRModel, *, refresh: bool = False) -> str | None:
+def check_model(ir: IRModel, *, refresh: bool = False, now: Fingerprint | None = None) -> str | None:
     """One line describing why the model is not well-formed, or ``None`` when it is.
 
-    With ``refresh`` the inferred dtypes and shapes are written back into the graph.
+    With ``refresh`` the inferred dtypes and shapes are written back into the graph, and
+    the graph's fingerprint is kept in ``ir.checked`` (``now`` when the caller has just
+    taken it: the refresh changes nothing a fingerprint holds): :func:`passed_check` then
+    knows the graph it describes is well-formed without checking it again.
     """
     proto, _ = export_with_stubs(ir, value_infos=False)  # inference starts from scratch anyway
     problem, inferred = check_proto(proto, copy=False)
     if problem is None and refresh:
         _apply_inferred(ir, inferred)
+        ir.checked = now or fingerprint(ir)
     return problem
+
+
+def passed_check(ir: IRModel, now: Fingerprint) -> bool:
+    """Whether the graph ``now`` describes is one :func:`check_model` already passed, node
+    order included (the checker requires a topological order), shapes refreshed since.
+
+    A pass that checks its own intermediate graphs (``simplify`` re-infers shapes between
+    folding rounds) often ends on a graph it has just checked; checking it again would
+    find what that check found."""
+    then = ir.checked
+    return then is not None and then.order == now.order and then.same_graph(now)
 
 
 def check_proto(proto: onnx.ModelProto, *, copy: bool = True) -> tuple[str | None, onnx.ModelProto | None]:
@@ -147,8 +163,10 @@ def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelP
     graph.initializer.extend(kept)
     nodes = []
     for node in graph.node:
-        value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
-        if node.op_type == "Constant" and value is not None and stub_index(value) is not None:
+        value = None
+        if node.op_type == "Constant":
+            value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+        if value is not None and stub_index(value) is not None:
             as_input(node.output[0], value)
         else:
             nodes.append(node)
@@ -185,30 +203,42 @@ def fill_unknown_shapes(ir: IRModel) -> bool:
 
 
 def _apply_inferred(ir: IRModel, inferred: onnx.ModelProto) -> None:
-    infos = {vi.name: vi for vi in inferred.graph.value_info}
+    types = {vi.name: vi.type for vi in inferred.graph.value_info}
     graph_io = {t.name for t in ir.graph.inputs} | {t.name for t in ir.graph.outputs}
-    dtypes: dict[int, object] = {}
+    # most tensors share one of a few types: each distinct one is decoded once, by its bytes
+    decoded: dict[bytes, tuple | None] = {}
     seen: set[int] = set()
     for node in ir.graph.nodes:  # every intermediate tensor, without building graph.tensors()'s name map
         for tensor in node.outputs:  # what inference can type: computed tensors
             if id(tensor) in seen or not isinstance(tensor, gs.Variable) or not tensor.name or tensor.name in graph_io:
                 continue
             seen.add(id(tensor))
-            info = infos.get(tensor.name)
-            if info is not None and info.type.HasField("tensor_type"):
-                _set_type(tensor, info.type.tensor_type, dtypes)
+            type_proto = types.get(tensor.name)
+            if type_proto is None:
+                continue
+            key = type_proto.SerializeToString()
+            if key not in decoded:
+                decoded[key] = _decode_type(type_proto)
+            typed = decoded[key]
+            if typed is not None:
+                dtype, shape = typed
+                # graphsurgeon's __setattr__ only special-cases the edge lists: set the fields directly
+                state = tensor.__dict__
+                if dtype is not None:
+                    state["dtype"] = dtype
+                state["shape"] = None if shape is None else list(shape)
 
 
-def _set_type(tensor: gs.Variable, ttype, dtypes: dict[int, object]) -> None:
+def _decode_type(type_proto) -> tuple | None:
+    """``(dtype or None, shape tuple or None)`` of a tensor type; ``None`` for other types."""
+    if not type_proto.HasField("tensor_type"):
+        return None
+    ttype = type_proto.tensor_type
+    dtype = None
     if ttype.elem_type:
-        if ttype.elem_type not in dtypes:
-            dtypes[ttype.elem_type] = (ttype.elem_type if ttype.elem_type in _NON_NUMPY
-                                       else onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
-        tensor.dtype = dtypes[ttype.elem_type]
-    if ttype.HasField("shape"):
-        tensor.shape = [_dim(d) for d in ttype.shape.dim]
-    else:
-        tensor.shape = None
+        dtype = (ttype.elem_type if ttype.elem_type in _NON_NUMPY
+                 else onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+    return dtype, tuple(_dim(d) for d in ttype.shape.dim) if ttype.HasField("shape") else None
 
 
 def _dim(dim) -> int | str | None:

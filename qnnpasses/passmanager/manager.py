@@ -2,7 +2,7 @@
 
 For each pass it enforces the pass's declaration: a contract that needs opting in runs only
 with ``allow_lossy``; a required property with a checker must hold (else the pass is
-skipped with the reason).  It keeps a rollback copy and runs the pass.  Whether the graph
+skipped with the reason).  It takes a snapshot for rollback (``snapshot.py``) and runs the pass.  Whether the graph
 changed is decided by a structural fingerprint taken before and after (O(nodes), see
 ``fingerprint.py``), never by the pass's ``PassResult.changed``: a pass that says
 "unchanged" and changed the graph is treated as changed and recorded as misreported.
@@ -44,7 +44,7 @@ from qnnpasses.backends.cpu import (
     verification_cases,
 )
 from qnnpasses.errors import BadInputError, CheckFailedError
-from qnnpasses.ir.checks import check_model
+from qnnpasses.ir.checks import check_model, passed_check
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
     ALL_CASES,
@@ -56,8 +56,9 @@ from qnnpasses.passmanager.api import (
     PassResult,
     get_property,
 )
-from qnnpasses.passmanager.fingerprint import Fingerprint, fingerprint, out_of_order
+from qnnpasses.ir.fingerprint import Fingerprint, fingerprint, out_of_order
 from qnnpasses.passmanager.spec import Item, Pipeline, Repeat, format_items
+from qnnpasses.passmanager.snapshot import Snapshot
 
 CHANGED, UNCHANGED, ROLLED_BACK, SKIPPED = "changed", "unchanged", "rolled-back", "skipped"
 # at most this many --inputs/--calib samples join the verification cases
@@ -162,7 +163,7 @@ class PassManager:
         self.result: RunResult | None = None
         self._cases: list[VerificationCase] = []
         self._reference: list[dict[str, np.ndarray]] = []
-        self._spare_snapshot: IRModel | None = None
+        self._spare_snapshot: Snapshot | None = None
         self._last_fingerprint: Fingerprint | None = None
         self._mappings: list[tuple[Pass, dict[str, str]]] = []  # applied output mappings, in order
         self._dropped: list[dict[str, str]] = []  # cases the input model itself cannot run
@@ -269,7 +270,7 @@ class PassManager:
 
     def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord, before_keys: list[tuple[str, str]]) -> None:
         # a copy taken before a pass that then changed nothing is still a copy of the graph
-        snapshot, self._spare_snapshot = self._spare_snapshot or ir.copy(), None
+        snapshot, self._spare_snapshot = self._spare_snapshot or Snapshot.take(ir), None
         # the previous pass's "after" still describes the graph when that pass changed nothing
         before, self._last_fingerprint = self._last_fingerprint or fingerprint(ir), None
         renames = {}
@@ -303,7 +304,7 @@ class PassManager:
             self._last_fingerprint = after if after.order == before.order else None
             self._check_ensures(pass_, ir, record)
             return
-        failure = check_model(ir, refresh=True)
+        failure = None if passed_check(ir, after) else check_model(ir, refresh=True, now=after)
         record.seconds = time.perf_counter() - start
         if failure:
             self._roll_back(ir, snapshot, record, f"graph check failed: {failure}")
@@ -385,8 +386,8 @@ class PassManager:
         return summary
 
     @staticmethod
-    def _roll_back(ir: IRModel, snapshot: IRModel, record: PassRecord, reason: str) -> None:
-        ir.restore(snapshot)
+    def _roll_back(ir: IRModel, snapshot: Snapshot, record: PassRecord, reason: str) -> None:
+        snapshot.restore(ir)
         record.status, record.changed, record.reason = ROLLED_BACK, False, reason
 
 

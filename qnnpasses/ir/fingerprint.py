@@ -7,7 +7,7 @@ inputs (name, dtype, shape) and outputs (name), opset imports, and every constan
 object.  Reading a lazily loaded constant replaces its values object (graphsurgeon loads
 on first access); that alone is no change: the loaded array is compared with what the
 lazy values load to (by shape and dtype only above :data:`COMPARE_LOADED_BYTES`).  A pass
-may not mutate a constant's array in place (the rollback copy shares it): that is the one
+may not mutate a constant's array in place (the rollback snapshot shares it): that is the one
 change a fingerprint does not see.
 """
 
@@ -36,6 +36,9 @@ class Fingerprint:
     structure: tuple
     order: tuple
     values: dict[int, Any] = field(compare=False, hash=False, repr=False)
+    #: the nodes, held so that no object the fingerprint names by identity is freed and its
+    #: address reused by another while the fingerprint is kept (``IRModel.checked``)
+    nodes: tuple = field(default=(), compare=False, hash=False, repr=False)
 
     def same_graph(self, after: Fingerprint) -> bool:
         """True when ``after`` (taken later) shows the same computation, node order aside."""
@@ -63,7 +66,7 @@ def fingerprint(ir: IRModel) -> Fingerprint:
 
 
 def _fingerprint(ir: IRModel) -> Fingerprint:
-    graphs, order, values = [], [], {}
+    graphs, order, values, held = [], [], {}, []
 
     def tensor_key(tensor: gs.Tensor) -> tuple:
         if isinstance(tensor, gs.Constant):
@@ -75,8 +78,8 @@ def _fingerprint(ir: IRModel) -> Fingerprint:
             return value
         if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value):
             return tuple(value)
-        if isinstance(value, gs.Constant):
-            values[id(value)] = value._values
+        # arrays, tensors, graphs: by identity, the object held (a constant's by its values)
+        values[id(value)] = value._values if isinstance(value, gs.Constant) else value
         return id(value)
 
     for graph in ir.graphs():
@@ -91,8 +94,10 @@ def _fingerprint(ir: IRModel) -> Fingerprint:
                     for t in graph.inputs), tuple((t.name, id(t)) for t in graph.outputs))
         graphs.append((id(graph), graph.name, graph.opset, len(graph.nodes), nodes, io))
         order.append(tuple(map(id, graph.nodes)))
+        held.append(tuple(graph.nodes))
     domains = tuple((d.domain, d.version) for d in getattr(ir.graph, "import_domains", None) or ())
-    return Fingerprint((tuple(graphs), domains, tuple(sorted(ir.metadata_props.items()))), tuple(order), values)
+    return Fingerprint((tuple(graphs), domains, tuple(sorted(ir.metadata_props.items()))), tuple(order), values,
+                       tuple(held))
 
 
 def _loaded_equal(lazy: LazyValues, array: np.ndarray) -> bool:
