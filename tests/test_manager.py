@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
@@ -9,6 +11,8 @@ from conftest import FIXTURE_NAMES, fixture_inputs, fixture_outputs, fixture_pat
 
 from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.errors import CheckFailedError
+from qnnpasses.ir import checks
+from qnnpasses.ir.checks import check_model
 from qnnpasses.ir.load import load_model
 from qnnpasses.passmanager.api import (
     STATIC_SHAPES,
@@ -113,6 +117,26 @@ class DoubleIdentity(Pass):
             return PassResult(changed=False)
         _insert_before_output(ir, ctx, "Identity", "grow")
         return PassResult(changed=True, stats={"added": 1})
+
+
+@register_pass
+class ChecksItself(Pass):
+    """Rewrites, checks its own result (as simplify does between folding rounds), and with
+    ``then_break`` breaks the graph after that check."""
+
+    name = "test-checks-itself"
+    summary = "adds an Identity, checks the graph itself, maybe breaks it afterwards (tests only)"
+
+    @dataclass
+    class Options:
+        then_break: bool = False
+
+    def run(self, ir, ctx):
+        _insert_before_output(ir, ctx, "Identity", "own_check")
+        assert check_model(ir, refresh=True) is None
+        if self.options.then_break:
+            _first(ir, "MatMul").inputs[0] = gs.Variable("nobody_makes_this", dtype=np.float32)
+        return PassResult(changed=True)
 
 
 def _run(spec, verify=True, **config):
@@ -388,3 +412,34 @@ def test_htp_llm_verifies_on_every_fixture_without_false_alarms(name):
     for record in result.records:
         if record.status == CHANGED and record.contract["kind"] == "exact":
             assert set(record.verification["cases"]) == cases, record.name
+
+
+def _count_checks(monkeypatch) -> list[int]:
+    calls = [0]
+    real = checks.check_proto
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "check_proto", counting)
+    return calls
+
+
+def test_a_graph_the_pass_already_checked_is_not_checked_again(monkeypatch):
+    ir = load_model(fixture_path(FIXTURE))
+    calls = _count_checks(monkeypatch)
+    result = PassManager(parse_pipeline("test-checks-itself"), RunConfig(verify=False)).run(ir)
+    assert result.records[0].status == CHANGED
+    assert calls[0] == 1  # the pass's own check; the manager's would find the same
+
+
+def test_a_change_after_the_pass_s_own_check_is_still_checked_and_rolled_back(monkeypatch):
+    ir = load_model(fixture_path(FIXTURE))
+    calls = _count_checks(monkeypatch)
+    nodes = len(ir.graph.nodes)
+    result = PassManager(parse_pipeline("test-checks-itself{then_break=true}"), RunConfig(verify=False)).run(ir)
+    assert calls[0] == 2
+    assert result.records[0].status == ROLLED_BACK and "graph check failed" in result.records[0].reason
+    assert len(ir.graph.nodes) == nodes
+    _assert_outputs_unchanged(ir)
