@@ -83,11 +83,13 @@ def _fingerprint(ir: IRModel) -> Fingerprint:
         return id(value)
 
     for graph in ir.graphs():
-        nodes = frozenset(
-            (id(n), n.op, n.domain, n.name, tuple(map(tensor_key, n.inputs)), tuple(map(tensor_key, n.outputs)),
-             tuple((k, attr_key(v)) for k, v in n.attrs.items()) if n.attrs else ())
+        # keyed by identity: equal when the same nodes hold the same fields, whatever their
+        # order, without hashing every node's fields as a set of tuples would
+        nodes = {
+            id(n): (n.op, n.domain, n.name, tuple(map(tensor_key, n.inputs)), tuple(map(tensor_key, n.outputs)),
+                    tuple((k, attr_key(v)) for k, v in n.attrs.items()) if n.attrs else ())
             for n in graph.nodes
-        )
+        }
         # outputs by identity and name: their dtype/shape follow from the nodes (and the
         # manager's shape refresh rewrites them); inputs' dtype and shape are the interface
         io = (tuple((t.name, id(t), str(t.dtype), tuple(t.shape) if t.shape is not None else None)
