@@ -50,10 +50,10 @@ def check_proto(proto: onnx.ModelProto, *, copy: bool = True) -> tuple[str | Non
     """The checker, then strict shape inference; returns the problem or the inferred model.
 
     ``copy=False`` lets the check rewrite ``proto`` itself (a proto made only for it)."""
-    unknown = _unknown_operator(proto)
+    proto = stubs_as_inputs(proto, copy=copy)
+    unknown = _unknown_operator_or_move_runtime_ops(proto)
     if unknown:
         return unknown, None
-    proto = _runtime_ops_out_of_default_domain(stubs_as_inputs(proto, copy=copy))
     try:
         onnx.checker.check_model(proto)
     except Exception as exc:  # ValidationError, or other types the C++ checker raises on odd protos
@@ -64,12 +64,21 @@ def check_proto(proto: onnx.ModelProto, *, copy: bool = True) -> tuple[str | Non
         return f"shape inference failed: {_first_line(exc)}", None
 
 
-def _unknown_operator(proto: onnx.ModelProto) -> str | None:
+def _unknown_operator_or_move_runtime_ops(proto: onnx.ModelProto) -> str | None:
+    """The first node of an unknown domain, described; else ``None``, with every default-domain
+    op that only onnxruntime knows moved to :data:`_RUNTIME_DOMAIN` (one walk for both)."""
     local_functions = {(f.domain, f.name) for f in proto.functions}
+    runtime_nodes = []
     for node in _walk_nodes(proto.graph):
-        if node.domain in KNOWN_DOMAINS or (node.domain, node.op_type) in local_functions:
-            continue
-        return f"node '{node.name}' uses operator '{node.op_type}' of unknown domain '{node.domain}'"
+        if node.domain in ("", "ai.onnx"):
+            if _runtime_only(node.op_type):
+                runtime_nodes.append(node)
+        elif node.domain not in KNOWN_DOMAINS and (node.domain, node.op_type) not in local_functions:
+            return f"node '{node.name}' uses operator '{node.op_type}' of unknown domain '{node.domain}'"
+    for node in runtime_nodes:
+        node.domain = _RUNTIME_DOMAIN
+    if runtime_nodes:
+        proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
     return None
 
 
@@ -108,16 +117,6 @@ def _onnxruntime_default_ops() -> frozenset[str]:
             schemas = []
         _ORT_DEFAULT_OPS = frozenset(s.name for s in schemas if s.domain in ("", "ai.onnx"))
     return _ORT_DEFAULT_OPS
-
-
-def _runtime_ops_out_of_default_domain(proto: onnx.ModelProto) -> onnx.ModelProto:
-    if not runtime_only_ops(proto):
-        return proto
-    for node in _walk_nodes(proto.graph):
-        if node.domain in ("", "ai.onnx") and _runtime_only(node.op_type):
-            node.domain = _RUNTIME_DOMAIN
-    proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
-    return proto
 
 
 def _walk_nodes(graph: onnx.GraphProto):
