@@ -40,6 +40,13 @@ class Fingerprint:
     #: address reused by another while the fingerprint is kept (``IRModel.checked``)
     nodes: tuple = field(default=(), compare=False, hash=False, repr=False)
 
+    def node_keys(self) -> list[tuple[str, str]]:
+        """``(name, op)`` of every node, graph by graph, in node order."""
+        keys = []
+        for (_, _, _, _, nodes, _), order in zip(self.structure[0], self.order):
+            keys += [(nodes[key][2], nodes[key][0]) for key in order]
+        return keys
+
     def same_graph(self, after: Fingerprint) -> bool:
         """True when ``after`` (taken later) shows the same computation, node order aside."""
         if self.structure != after.structure:

@@ -133,10 +133,6 @@ class Instrument:
     def after_pipeline(self, ir: IRModel, result: RunResult) -> None: ...
 
 
-def _node_keys(ir: IRModel) -> list[tuple[str, str]]:
-    return [(n.name, n.op) for g in ir.graphs() for n in g.nodes]
-
-
 def _fill_structural_delta(record: PassRecord, before: list[tuple[str, str]], after: list[tuple[str, str]]) -> None:
     before_set, after_set = set(before), set(after)
     record.added = [{"name": n, "op_type": op} for n, op in after if (n, op) not in before_set]
@@ -242,15 +238,14 @@ class PassManager:
         contract = pass_.contract
         record = PassRecord(index=len(self.records) + 1, name=pass_.name, spec=format_items([pass_]),
                             contract=contract.as_dict(), lossless=not contract.needs_opt_in, iteration=iteration)
-        before_keys = _node_keys(ir)
-        record.nodes_before = record.nodes_after = len(before_keys)
+        record.nodes_before = record.nodes_after = sum(len(g.nodes) for g in ir.graphs())
         for instrument in self.instruments:
             instrument.before_pass(pass_, ir, record)
         skip = self._skip_reason(pass_, ir)
         if skip:
             record.status, record.reason = SKIPPED, skip
         else:
-            self._apply(pass_, ir, record, before_keys)
+            self._apply(pass_, ir, record)
         self.records.append(record)
         for instrument in self.instruments:
             instrument.after_pass(pass_, ir, record)
@@ -268,7 +263,7 @@ class PassManager:
                 return f"requires {name}: {reason}"
         return ""
 
-    def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord, before_keys: list[tuple[str, str]]) -> None:
+    def _apply(self, pass_: Pass, ir: IRModel, record: PassRecord) -> None:
         # a copy taken before a pass that then changed nothing is still a copy of the graph
         snapshot, self._spare_snapshot = self._spare_snapshot or Snapshot.take(ir), None
         # the previous pass's "after" still describes the graph when that pass changed nothing
@@ -312,9 +307,9 @@ class PassManager:
         if self.config.verify and self._cases and not self._verify(pass_, ir, record, renames):
             self._roll_back(ir, snapshot, record, record.reason)
             return
-        after_keys = _node_keys(ir)
+        after_keys = after.node_keys()
         record.status, record.changed, record.nodes_after = CHANGED, True, len(after_keys)
-        _fill_structural_delta(record, before_keys, after_keys)
+        _fill_structural_delta(record, before.node_keys(), after_keys)
         self._applied.append(pass_.contract)
         self._last_fingerprint = after  # the check's shape refresh touches nothing a fingerprint holds
         if renames or type(pass_).map_reference is not Pass.map_reference:
