@@ -65,8 +65,15 @@ class FoldReport:
 
     def rewrites(self) -> int:
         """How many rewrites so far (dead-code removal aside, which enables no further fold)."""
-        return (self.constants_lifted + self.shapes_folded + self.nodes_folded + self.nops_removed
-                + self.empty_inputs_dropped + self.operands_swapped)
+        return self.enabling() + self.operands_swapped
+
+    def enabling(self) -> int:
+        """Rewrites that can enable another fold (swapping commutative operands cannot)."""
+        return self.folds() + self.nops_removed + self.empty_inputs_dropped
+
+    def folds(self) -> int:
+        """Rewrites that made new constants."""
+        return self.constants_lifted + self.shapes_folded + self.nodes_folded
 
 
 # --------------------------------------------------------------------------- Constant nodes
@@ -132,6 +139,10 @@ def _picked_shape_value(node: gs.Node) -> np.ndarray | None:
     values = [dims[i] for i in np.asarray(picked).ravel()]
     array = _static_array(values)
     return None if array is None else array.reshape(np.shape(picked))
+
+
+#: The ops :func:`fold_shape_value` may fold although an input is computed.
+SHAPE_VALUE_OPS = frozenset({"Shape", "Size", "Gather", "Slice"})
 
 
 def fold_shape_value(node: gs.Node) -> np.ndarray | None:
@@ -225,6 +236,9 @@ def fold_constant_nodes(graph: gs.Graph, max_bytes: int, report: FoldReport) -> 
     outputs = set(id(t) for t in graph.outputs)
     toposort(graph)
     for node in list(graph.nodes):
+        computed_input = any(t.name and not isinstance(t, gs.Constant) for t in node.inputs)
+        if computed_input and node.op not in SHAPE_VALUE_OPS:  # the common case, decided first
+            continue
         if node.op in NEVER_FOLD or not node.outputs or any(id(t) in outputs for t in node.outputs):
             continue
         if any(isinstance(v, gs.Graph) for v in node.attrs.values()):
@@ -234,7 +248,7 @@ def fold_constant_nodes(graph: gs.Graph, max_bytes: int, report: FoldReport) -> 
             _replace_outputs(node, [value])
             report.shapes_folded += 1
             continue
-        if any(t.name and not isinstance(t, gs.Constant) for t in node.inputs):
+        if computed_input:
             continue
         ok, why = _size_ok(node, max_bytes)
         if not ok:

@@ -77,12 +77,16 @@ class Simplify(Pass):
 
 
 def fold_to_fixed_point(ir: IRModel, max_fold_bytes: int = 1 << 20, max_rounds: int = 4) -> FoldReport:
-    """Fold; while that rewrote something, re-infer shapes (a folded reshape target makes
-    the next Shape static) and fold again.  The one constant folder of the project."""
+    """Fold; while that rewrote something that can enable another fold, fold again, after
+    re-inferring shapes if it made new constants (a folded reshape target makes the next
+    Shape static).  The one constant folder of the project."""
     report = FoldReport()
     for _ in range(max_rounds):
-        done = report.rewrites()
+        enabling, folds = report.enabling(), report.folds()
         fold_graph(ir.graph, max_fold_bytes, report)
-        if report.rewrites() == done or check_model(ir, refresh=True) is not None:
+        if report.enabling() == enabling:
+            break
+        # only new constants can make more dims static; bypassed no-ops change no inferred shape
+        if report.folds() != folds and check_model(ir, refresh=True) is not None:
             break
     return report
