@@ -25,6 +25,7 @@ from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
     constant_shape,
+    constant_value,
     emit_reshape,
     input_value,
     is_constant,
@@ -211,8 +212,8 @@ def _fix_node(ir: IRModel, ctx: PassContext, node: gs.Node) -> None:
         node.inputs[3] = _int64(ir, ctx, f"{node.name}_axes", [-1] * len(input_value(node, 3)))
         return
     for i, t in enumerate(node.inputs):
-        value = input_value(node, i) if is_constant(t) else None
-        if value is not None and value.ndim > 2:
+        if t.name and is_constant(t) and len(constant_shape(t)) > 2:  # read only the values to squeeze
+            value = constant_value(t)
             node.inputs[i] = make_constant(ir, ctx, f"{t.name}_2d", value.reshape(value.shape[-2:]))
 
 

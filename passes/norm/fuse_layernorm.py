@@ -50,8 +50,9 @@ class FuseLayerNorm(Pass):
             raise ValueError(f"fuse-layernorm: when must be supported or always (got {self.options.when!r})")
         matches, reasons = find_norms(ir.graph, kinds=("layernorm",))
         notes = list(reasons) if ctx.verbose else []
-        fusable = [m for m in matches if not self._why_not(m)]
-        notes += [f"{m.normalized.name}: {self._why_not(m)}" for m in matches if self._why_not(m)]
+        refusals = [(m, self._why_not(m)) for m in matches]
+        fusable = [m for m, why in refusals if not why]
+        notes += [f"{m.normalized.name}: {why}" for m, why in refusals if why]
         stats = {"fused": 0, "not_fused": len(matches) - len(fusable)}
         if not fusable:
             return PassResult(changed=False, stats=stats, notes=notes)

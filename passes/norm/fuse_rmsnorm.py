@@ -53,8 +53,9 @@ class FuseRMSNorm(Pass):
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         matches, reasons = find_norms(ir.graph, kinds=("rms",))
         notes = list(reasons) if ctx.verbose else []
-        fusable = [m for m in matches if not _why_not(m)]
-        notes += [f"{m.normalized.name}: {_why_not(m)}" for m in matches if _why_not(m)]
+        refusals = [(m, _why_not(m)) for m in matches]
+        fusable = [m for m, why in refusals if not why]
+        notes += [f"{m.normalized.name}: {why}" for m, why in refusals if why]
         stats = {"fused": 0, "not_matched": len(reasons) + len(matches) - len(fusable)}
         if not fusable:
             return PassResult(changed=False, stats=stats, notes=notes)
