@@ -38,6 +38,7 @@ from qnnpasses.passmanager.rewrite import (
     is_scalar_constant,
     make_constant,
     make_node,
+    node_key,
     replace_all_uses,
     single_consumer,
     static_shape,
@@ -95,6 +96,19 @@ def _evaluate(tensor: gs.Tensor, x: gs.Tensor, probe: np.ndarray, opset: int, me
     return value
 
 
+def _structure(tensor: gs.Tensor, x: gs.Tensor, memo: dict) -> tuple | None:
+    """What :func:`_evaluate` computes ``tensor`` from: the nodes (:func:`node_key`) between it
+    and ``x`` and how they connect; None when a node has no key."""
+    if tensor is x:
+        return ("x",)
+    if id(tensor) not in memo:
+        node = tensor.inputs[0]
+        key = node_key(node)
+        inputs = tuple(_structure(t, x, memo) for t in node.inputs if t.name and not is_constant(t))
+        memo[id(tensor)] = None if key is None or None in inputs else (key, inputs)
+    return memo[id(tensor)]
+
+
 def signed_permutation(rot: np.ndarray, x_shape: tuple[int, ...]) -> np.ndarray | None:
     """``R`` with ``rot == probe @ R`` when ``rot`` is a row-wise signed permutation of the probe."""
     if rot.shape != x_shape or not np.all(rot != 0):
@@ -123,8 +137,12 @@ def _candidate_tops(graph: gs.Graph, concat: gs.Node) -> list[gs.Tensor]:
     return tops[::-1]
 
 
-def match_rotation(graph: gs.Graph, concat: gs.Node, opset: int) -> tuple[gs.Tensor, gs.Tensor, np.ndarray] | None:
-    """(rotated tensor, x, R) for a Concat at the heart of a rotation, else None."""
+def match_rotation(graph: gs.Graph, concat: gs.Node, opset: int,
+                   seen: dict | None = None) -> tuple[gs.Tensor, gs.Tensor, np.ndarray] | None:
+    """(rotated tensor, x, R) for a Concat at the heart of a rotation, else None.
+
+    ``seen`` keeps ``R`` (or None) per rotation structure: every layer repeats the same one.
+    """
     nodes: list = []
     roots = {id(r): r for t in concat.inputs if t.name and not is_constant(t) for r in [_root_of(graph, t, nodes)]}
     if len(roots) != 1:
@@ -135,13 +153,20 @@ def match_rotation(graph: gs.Graph, concat: gs.Node, opset: int) -> tuple[gs.Ten
         raise _NotRotation("input shape is not static, or rank < 2")
     if x.dtype is None or np.dtype(x.dtype).kind != "f":
         raise _NotRotation("not a float tensor (shape arithmetic, not a rotation)")
-    probe = np.arange(1, np.prod(x_shape) + 1, dtype=np.float64).reshape(x_shape)
+    seen = {} if seen is None else seen
     for top in _candidate_tops(graph, concat):
         top_shape = static_shape(top)
         if top_shape is not None and tuple(top_shape) != tuple(x_shape):
             continue  # a rotation keeps the shape (a Concat with constant operands grows it)
-        rot = _evaluate(top, x, probe, opset, {})
-        matrix = signed_permutation(rot, x_shape)
+        structure = _structure(top, x, {})
+        key = None if structure is None else (structure, x_shape, opset)
+        if key in seen:
+            matrix = seen[key]
+        else:
+            probe = np.arange(1, np.prod(x_shape) + 1, dtype=np.float64).reshape(x_shape)
+            matrix = signed_permutation(_evaluate(top, x, probe, opset, {}), x_shape)
+            if key is not None:
+                seen[key] = matrix
         if matrix is not None:
             return top, x, matrix
     raise _NotRotation("not a signed permutation of the last axis")
@@ -162,9 +187,10 @@ class Rotary(Pass):
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         stats = {"rotations": 0}
         notes: list[str] = []
+        seen: dict = {}
         for concat in [n for n in ir.graph.nodes if n.op == "Concat"]:
             try:
-                found = match_rotation(ir.graph, concat, ir.opset)
+                found = match_rotation(ir.graph, concat, ir.opset, seen)
             except (_NotRotation, ValueError, IndexError, KeyError, TypeError) as exc:
                 if ctx.verbose:
                     notes.append(f"{concat.name}: {exc}")

@@ -33,6 +33,7 @@ from qnnpasses.passmanager.rewrite import (
     emit_transpose,
     input_value,
     is_constant,
+    node_key,
     replace_all_uses,
     single_consumer,
     static_shape,
@@ -80,39 +81,24 @@ def _cost(chain: list[gs.Node]) -> int:
 def improve(chain: list[gs.Node], opset: int, memo: dict | None = None) -> Form | None:
     """The cheapest replacement of the whole ``chain`` if it saves an op.
 
-    The answer depends only on the chain's ops, attributes, constant inputs and end shapes:
-    ``memo`` keeps it per such signature (an LLM repeats each chain once per layer).
+    The answer depends only on the chain's nodes (:func:`node_key`) and end shapes: ``memo``
+    keeps it per such signature (an LLM repeats each chain once per layer).
     """
     x_shape, y_shape = static_shape(chain[0].inputs[0]), static_shape(chain[-1].outputs[0])
     if x_shape is None or y_shape is None:
         return None
-    values = [[input_value(n, i) for i in range(max(len(n.inputs), 5))] for n in chain]
-    key = _signature(chain, values, x_shape, y_shape, opset) if memo is not None else None
+    key = None
+    if memo is not None:
+        nodes = tuple(node_key(n) for n in chain)
+        key = None if None in nodes else (opset, x_shape, y_shape, nodes)
     if key is not None and key in memo:
         return copy.deepcopy(memo[key])  # the emitted constants must not share index arrays
+    values = [[input_value(n, i) for i in range(max(len(n.inputs), 5))] for n in chain]
     index = index_map(chain, x_shape, values, opset)
     form = None if index is None or tuple(index.shape) != y_shape else cheapest_form(index, x_shape, _cost(chain))
     if key is not None:
         memo[key] = form
     return form
-
-
-def _signature(chain: list[gs.Node], values: list[list], x_shape: tuple, y_shape: tuple, opset: int):
-    """A hashable key for everything :func:`improve` reads, or None if an attribute is not hashable."""
-    def attr(value):
-        return tuple(value) if isinstance(value, list) else value
-
-    def const(value):
-        return None if value is None else (value.dtype.str, value.shape, value.tobytes())
-
-    key = (opset, x_shape, y_shape, tuple(
-        (n.op, tuple(sorted((k, attr(v)) for k, v in n.attrs.items())), tuple(const(v) for v in vals))
-        for n, vals in zip(chain, values)))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def emit_form(ir: IRModel, ctx: PassContext, x: gs.Tensor, form: Form, hint: str) -> gs.Tensor:

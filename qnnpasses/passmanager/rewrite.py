@@ -104,6 +104,37 @@ def scalar(tensor: gs.Tensor | None, *, through_identity: bool = False) -> float
     return float(value.ravel()[0])
 
 
+def node_key(node: gs.Node) -> tuple | None:
+    """A hashable description of what ``node`` computes from its variable inputs: op, domain,
+    attributes and constant input values (None when an attribute has no such description).
+
+    Nodes with equal keys give equal outputs for equal variable inputs, so a rewrite that
+    meets the same sub-graph once per layer can decide once per key.  It reads every
+    constant input: meant for data-movement and sign ops, whose constants are small.
+    """
+    try:
+        attrs = tuple(sorted((name, _attr_key(value)) for name, value in node.attrs.items()))
+    except TypeError:
+        return None
+    inputs = tuple(None if not t.name else _value_key(constant_value(t)) if is_constant(t) else "variable"
+                   for t in node.inputs)
+    return node.op, node.domain or "", attrs, inputs
+
+
+def _attr_key(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr_key(v) for v in value)
+    if isinstance(value, float):
+        return value.hex()  # tells -0.0 from 0.0
+    if value is None or isinstance(value, (bool, int, str, bytes)):
+        return type(value).__name__, value
+    raise TypeError(f"no key for an attribute of type {type(value).__name__}")
+
+
+def _value_key(value: np.ndarray) -> tuple:
+    return value.dtype.str, value.shape, value.tobytes()
+
+
 def other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     """For a binary node, the input that is not ``tensor``."""
     if len(node.inputs) != 2:
