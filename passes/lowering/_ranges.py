@@ -240,7 +240,8 @@ class Region:
 
 def find_regions(graph: gs.Graph) -> list[Region]:
     """Union int64 variables that POLY nodes tie together; collect each region's external uses."""
-    parent = {id(t): id(t) for t in graph.tensors().values() if isinstance(t, gs.Variable) and is_int64(t)}
+    tensors = list(graph.tensors().values())  # the ties below change no tensor
+    parent = {id(t): id(t) for t in tensors if isinstance(t, gs.Variable) and is_int64(t)}
 
     def root(x: int) -> int:
         while parent[x] != x:
@@ -257,7 +258,7 @@ def find_regions(graph: gs.Graph) -> list[Region]:
             if ids:
                 tied_nodes.append((node, ids[0]))
     regions: dict[int, Region] = {}
-    for t in graph.tensors().values():
+    for t in tensors:
         if id(t) in parent:
             regions.setdefault(root(id(t)), Region()).members.append(t)
     for node, key in tied_nodes:

@@ -72,7 +72,7 @@ def constant_value(tensor: gs.Tensor | None, *, through_identity: bool = False) 
 def constant_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
     """The shape of a constant's value without reading it (a mapped or derived weight stays unread)."""
     if isinstance(tensor, gs.Constant):
-        return tuple(int(d) for d in tensor.shape)
+        return tuple(tensor.shape)
     value = constant_value(tensor)
     return None if value is None else value.shape
 
