@@ -1,0 +1,66 @@
+"""Saving copies weights from the input's data file inside the kernel where it can: the files
+written must be the ones streaming writes, byte for byte, and holes must stay holes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from qnnpasses.ir.load import load_model
+from qnnpasses.ir.model import save_model
+
+SIZE = 1 << 18  # float32 elements: 1 MB per weight, above the alignment threshold
+
+
+def _external_model(folder, *, hole: bool):
+    """x + w1 + w2 with both weights in model.onnx.data; w2 is a hole in the file when ``hole``."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal(SIZE).astype(np.float32)
+    data = folder / "model.onnx.data"
+    with open(data, "wb") as fh:
+        fh.write(w1.tobytes())
+        if hole:
+            fh.truncate(2 * w1.nbytes)  # w2: zeros the file system does not store
+        else:
+            fh.write(rng.standard_normal(SIZE).astype(np.float32).tobytes())
+    weights = []
+    for index, name in enumerate(("w1", "w2")):
+        tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=[SIZE])
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", data.name), ("offset", index * w1.nbytes), ("length", w1.nbytes)):
+            tensor.external_data.add(key=key, value=str(value))
+        weights.append(tensor)
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "w2"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [SIZE])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [SIZE])], weights)
+    path = folder / "model.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _saved(model, out_dir, monkeypatch, *, kernel_copy: bool):
+    out_dir.mkdir()
+    with monkeypatch.context() as patch:
+        if not kernel_copy:
+            patch.delattr(os, "copy_file_range")
+        out = save_model(load_model(model), out_dir / "out.onnx", external_data=True)
+    return out.read_bytes(), (out_dir / "out.onnx.data").read_bytes(), os.stat(out_dir / "out.onnx.data")
+
+
+@pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="no copy_file_range on this platform")
+@pytest.mark.parametrize("hole", [False, True])
+def test_kernel_copy_writes_what_streaming_writes(tmp_path, monkeypatch, hole):
+    (tmp_path / "in").mkdir()
+    model = _external_model(tmp_path / "in", hole=hole)
+    streamed = _saved(model, tmp_path / "streamed", monkeypatch, kernel_copy=False)
+    copied = _saved(model, tmp_path / "copied", monkeypatch, kernel_copy=True)
+    assert copied[:2] == streamed[:2]
+    source = (tmp_path / "in" / "model.onnx.data").read_bytes()
+    assert copied[1].find(source[:4 * SIZE]) >= 0  # w1's bytes, unchanged
+    if hole and os.stat(tmp_path / "in" / "model.onnx.data").st_blocks * 512 < 2 * 4 * SIZE:  # the fs keeps holes
+        stat = copied[2]
+        assert stat.st_blocks * 512 < stat.st_size - 4 * SIZE // 2  # w2 stayed a hole
