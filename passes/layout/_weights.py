@@ -41,6 +41,7 @@ from qnnpasses.passmanager.rewrite import (
     input_value,
     is_constant,
     make_constant,
+    node_key,
     normalize_axis,
     replace_all_uses,
     single_consumer,
@@ -204,29 +205,40 @@ def _movers_after(graph: gs.Graph, tensor: gs.Tensor) -> list[gs.Node]:
     return chain
 
 
-def _head_major(chain: list[gs.Node], p_shape: tuple, opset: int) -> tuple[int, int] | None:
-    """(H, D) when ``chain`` maps ``[.., S, H*D]`` to ``[1.., H, S, D]`` (a head split)."""
+def _head_major(chain: list[gs.Node], p_shape: tuple, opset: int, memo: dict) -> tuple[int, int] | None:
+    """(H, D) when ``chain`` maps ``[.., S, H*D]`` to ``[1.., H, S, D]`` (a head split).
+
+    ``memo`` keeps the answer per chain signature (:func:`node_key`; one per layer and projection).
+    """
     y_shape = static_shape(chain[-1].outputs[0])
     if y_shape is None or len(y_shape) < 3 or any(d != 1 for d in y_shape[:-3]) or any(d != 1 for d in p_shape[:-2]):
         return None
     h, s, d = y_shape[-3:]
     if h < 2 or s != p_shape[-2] or h * d != p_shape[-1]:
         return None
+    nodes = tuple(node_key(n) for n in chain)
+    key = None if None in nodes else (nodes, p_shape, y_shape, opset)
+    if key is not None and key in memo:
+        return memo[key]
     values = [[input_value(n, i) for i in range(5)] for n in chain]
     index = index_map(chain, p_shape, values, opset)
     expected = np.arange(s * h * d).reshape(s, h, d).transpose(1, 0, 2)
-    return (h, d) if index is not None and np.array_equal(index.ravel(), expected.ravel()) else None
+    heads = (h, d) if index is not None and np.array_equal(index.ravel(), expected.ravel()) else None
+    if key is not None:
+        memo[key] = heads
+    return heads
 
 
 def rewrite_head_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -> int:
     done = 0
+    memo: dict = {}
     for node, proj in _projections(ir):
         p_shape = static_shape(node.outputs[0])
         if proj is None or p_shape is None:
             continue
         chain = _movers_after(ir.graph, node.outputs[0])
         for length in range(len(chain), 0, -1):
-            heads = _head_major(chain[:length], p_shape, ir.opset)
+            heads = _head_major(chain[:length], p_shape, ir.opset, memo)
             if heads is None:
                 continue
             h, d = heads
