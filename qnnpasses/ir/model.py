@@ -12,6 +12,8 @@ bytes, streaming each tensor once into the output.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,14 +258,23 @@ def _stored_tensors(graph: onnx.GraphProto) -> Iterator[tuple[onnx.TensorProto, 
 
 
 def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
-    count = int(np.prod(tensor.dims)) if len(tensor.dims) else 1
-    try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-    except Exception:  # unknown dtype: fall back to the declared length
+    """Bytes of a tensor's data, or -1 for an unknown dtype.  Runs for every stored tensor
+    on load and save: integer dims multiply without numpy, the itemsize is looked up once."""
+    count = math.prod(tensor.dims)
+    itemsize = _itemsize(tensor.data_type)
+    if itemsize < 0:
         return -1
     if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
         return (count + 1) // 2
     return count * itemsize
+
+
+@functools.cache
+def _itemsize(data_type: int) -> int:
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except Exception:  # unknown dtype: fall back to the declared length
+        return -1
 
 
 def _external_key(tensor: onnx.TensorProto) -> tuple:
