@@ -6,7 +6,9 @@ Metrics (numpy only, computed in float64 so that the metric adds no error of its
   labels (``labels[..., i]`` is the token that ``logits[..., i, :]`` should predict);
 * :func:`top1_agreement`: how often a run's argmax equals a reference run's argmax — the
   metric that says whether greedy decoding would produce the same text;
-* :func:`cosine_rows` and :func:`mean_pool`: sentence-embedding comparison for encoders.
+* :func:`cosine_rows` and :func:`mean_pool`: sentence-embedding comparison for encoders;
+* :func:`round_weights`: a model whose weights are rounded to fp16 (or another float type) while
+  it still computes in fp32 — what the weights' precision alone costs.
 
 Activation probe: :func:`norm_inputs` finds the tensors an exported normalization squares
 (``Pow(x, 2)`` or ``Mul(x, x)`` feeding a ``ReduceMean``, i.e. the RMSNorm/LayerNorm
@@ -77,6 +79,18 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         return (a * b).sum(axis=-1) / den
+
+
+def round_weights(model: onnx.ModelProto, dtype: type = np.float16) -> onnx.ModelProto:
+    """``model`` (changed in place) with every float32 weight — initializer of at least one
+    dimension — rounded to ``dtype`` and stored back as float32: the graph still computes in fp32,
+    on weights of ``dtype``'s precision.  Scalar constants (an epsilon, a mask's fill value of
+    float32's minimum, which fp16 cannot hold) are left as they are."""
+    for init in model.graph.initializer:
+        if init.data_type == onnx.TensorProto.FLOAT and init.dims:
+            rounded = onnx.numpy_helper.to_array(init).astype(dtype).astype(np.float32)
+            init.CopyFrom(onnx.numpy_helper.from_array(rounded, init.name))
+    return model
 
 
 # --------------------------------------------------------------------------- activations

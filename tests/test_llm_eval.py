@@ -1,0 +1,87 @@
+"""tools/llm_eval.py's fp16 ceiling: weights rounded to fp16 while computing in fp32, the off-HTP runs
+measured as the pair is (own greedy generation, teacher-forced top-1), and the sentence the report
+draws from them (figures from the results, none typed in)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import accuracy_metrics as am
+import llm_eval as le
+
+
+def test_round_weights_rounds_float_weights_keeps_scalars_and_fp32_compute():
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32)
+    ids = numpy_helper.from_array(np.arange(3, dtype=np.int64), "ids")
+    fill = numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "fill")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+                              [numpy_helper.from_array(w, "w"), ids, fill])
+    model = am.round_weights(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    stored = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    rounded = w.astype(np.float16).astype(np.float32)
+    assert stored["w"].dtype == np.float32 and np.array_equal(stored["w"], rounded) and not np.array_equal(rounded, w)
+    assert np.array_equal(stored["ids"], np.arange(3)) and stored["fill"] == np.finfo(np.float32).min  # a scalar
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ rounded, rtol=1e-6, atol=1e-6)
+
+
+class _Model:
+    """Generates the reference's tokens up to ``split``, then token 0; argmax = reference except at ``wrong``."""
+
+    def __init__(self, ref: dict, split: int, wrong: int):
+        self.ref, self.split, self.wrong = ref, split, wrong
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        return self.ref["tokens"][:self.split] + [0] * (max_new_tokens - self.split)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        top = list(self.ref["greedy_top1"])
+        top[self.wrong] = 0
+        return np.eye(10)[top]
+
+
+def test_ceiling_run_counts_own_generation_and_teacher_forced_top1():
+    items = [{"window": 3, "prompt": [1, 2, 3]}]
+    refs = [{"tokens": [5, 6, 7, 8], "greedy_top1": [9, 9, 5, 6, 7, 8]}]
+    run = le.ceiling_run(_Model(refs[0], split=2, wrong=4), items, refs)
+    assert run["identical_leading"] == [2] and run["identical_leading_mean"] == 2.0
+    assert run["top1"] == 5 / 6 and run["positions"] == 6 and run["top1_generated"] == 3 / 4
+    assert run["prompts"][0]["pair_tokens"] == [5, 6, 0, 8] and "prefill_seconds_mean" not in run
+    le.divergences(run, items, refs, [{"margin": [0.0, 0.0, 0.0, 0.0, 0.05, 0.0], "top1": [20.0] * 6,
+                                       "fp16_spacing": [0.0156] * 6}])
+    assert [(d["token"], d["fp32_margin"]) for d in run["prompts"][0]["differs_at"]] == [(2, 0.05)]
+
+
+def _greedy(leading: list[int]) -> dict:
+    return {"identical_leading": leading, "identical_leading_mean": float(np.mean(leading)), "top1": 0.99,
+            "positions": 47 * len(leading), "top1_generated": 0.98,
+            "prompts": [{"differs_at": []} for _ in leading]}
+
+
+def _doc(torch_fp16: list[int]) -> dict:
+    ceilings = {"fp16-weights": _greedy([32, 32]), "torch-fp16": _greedy(torch_fp16), "torch-bf16": _greedy([7, 14])}
+    return {"settings": {"new_tokens": 32},
+            "exports": {"kv_ts": {"runs": {"fp16:greedy": _greedy([9, 27])}, "ceilings": ceilings}}}
+
+
+def test_ceiling_table_sets_the_htp_pair_next_to_fp16_off_the_htp_and_says_what_it_shows():
+    rows = le._ceiling_rows(_doc([32, 31]))
+    text = "\n".join(rows)
+    assert "| TorchScript | fp16 pair on the HTP (this project) | 18.00 (9, 27) |" in text
+    assert "| TorchScript | Hugging Face model in torch float16 (CPU) | 31.50 (32, 31) |" in text
+    assert "in torch fp16 31.50 (TorchScript)" in text and "the HTP result has headroom" in text
+    below = "\n".join(le._ceiling_rows(_doc([20, 31])))
+    assert "headroom" not in below and "stays below 30 of 32 too" in below
+    assert le._ceiling_rows({"settings": {"new_tokens": 32}, "exports": {"kv_ts": {"runs": {}}}}) == []
