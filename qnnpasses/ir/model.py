@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,6 +438,8 @@ def _opset_imports(graph: gs.Graph) -> list[onnx.OperatorSetIdProto]:
 
 
 _PLAIN_ATTRIBUTES = (int, bool, str, bytes, type)
+_PLAIN_ITEMS = frozenset((*_PLAIN_ATTRIBUTES, float))
+_NAME = operator.attrgetter("name")
 
 
 def _export_nodes(nodes: list[gs.Node]) -> list[onnx.NodeProto]:
@@ -480,37 +483,38 @@ def _node_key(node: gs.Node) -> tuple | None:
     """All ``export_node`` reads from ``node``, by value: op, domain, name, tensor names and
     attributes (with their Python types, as ``1``, ``1.0`` and ``True`` export differently;
     floats by their bits, as ``-0.0 == 0.0``).  ``None`` for a node with a tensor, graph or
-    other non-plain attribute: that one is exported afresh every time."""
-    attributes = []
-    for name, value in node.attrs.items():
-        kind = type(value)
-        if kind in _PLAIN_ATTRIBUTES:
-            attributes.append((name, kind, value))
-        elif kind is float:
-            attributes.append((name, kind, value.hex()))
-        elif kind is list or kind is tuple:
-            items = _plain_items(value)
-            if items is None:
+    other non-plain attribute: that one is exported afresh every time.  Runs for every node
+    on every export, hence the C-level ``map`` over names and types."""
+    attributes = ()
+    if node.attrs:
+        attributes = []
+        for name, value in node.attrs.items():
+            kind = type(value)
+            if kind in _PLAIN_ATTRIBUTES:
+                attributes.append((name, kind, value))
+            elif kind is float:
+                attributes.append((name, kind, value.hex()))
+            elif kind is list or kind is tuple:
+                items = _plain_items(value)
+                if items is None:
+                    return None
+                attributes.append((name, kind, items))
+            else:
                 return None
-            attributes.append((name, kind, items))
-        else:
-            return None
-    return (node.op, node.domain, node.name, tuple([t.name for t in node.inputs]),
-            tuple([t.name for t in node.outputs]), tuple(attributes))
+        attributes = tuple(attributes)
+    return (node.op, node.domain, node.name, tuple(map(_NAME, node.inputs)), tuple(map(_NAME, node.outputs)),
+            attributes)
 
 
 def _plain_items(values: list | tuple) -> tuple | None:
-    """A list attribute's items as ``(type, value)`` pairs, or ``None`` if one is not plain."""
-    items = []
-    for value in values:
-        kind = type(value)
-        if kind is float:
-            items.append((kind, value.hex()))
-        elif kind in _PLAIN_ATTRIBUTES:
-            items.append((kind, value))
-        else:
-            return None
-    return tuple(items)
+    """A list attribute's item types and values (floats by their bits), or ``None`` if an
+    item is not plain."""
+    kinds = tuple(map(type, values))
+    if not _PLAIN_ITEMS.issuperset(kinds):
+        return None
+    if float in kinds:
+        values = [v.hex() if k is float else v for k, v in zip(kinds, values)]
+    return kinds, tuple(values)
 
 
 def _initializers(graph: gs.Graph) -> Iterator[gs.Constant]:
