@@ -96,7 +96,7 @@ def test_stubs_follow_their_tensor_across_exports():
     ir = load_model(onnx.parser.parse_model(MODEL))
     weight = gs.Constant("w", np.arange(512, dtype=np.float32))  # 2 KB: a stub
     _node(ir, "Relu").inputs.append(weight)
-    first, sources = export_with_stubs(ir)
+    _, sources = export_with_stubs(ir)
     assert sources[0] is weight.values
     weight.values = np.zeros((2, 256), np.float32)
     proto, sources = export_with_stubs(ir)
