@@ -10,13 +10,13 @@ reshapes/expands to the shape it already has, and dead code.
 Produces constants (initializers, so later passes see ``gs.Constant``) in their place.
 What depends on a real input (e.g. the padding mask built from ``attention_mask``) stays.
 
-How: the project's one constant folder (``passes/fold/_constants.py``), node by node on the
-graph, one shape inference per round that made new constants, never a protobuf holding
-the weights.  It does the job onnxsim's folding (``perform_optimization=False``) does here: on every test fixture
-both leave the same operators (``tests/test_pass_simplify.py`` checks that against
-onnxsim itself), without serializing the weights (onnxsim's round trip took 50 s on an
-800 MB model where this takes 1.3 s, and needs the model under 2 GB).  A folded tensor
-larger than ``max_fold_bytes`` is only created by a layout op on a weight
+How: the project's one constant folder (``passes/fold/_constants.py``), node by node on
+the graph, one shape inference per round that made new constants, never a protobuf holding
+the weights. It does the job onnxsim's folding (``perform_optimization=False``) does here:
+on every test fixture both leave the same operators (``tests/test_pass_simplify.py``
+checks that against onnxsim itself), without serializing the weights (onnxsim's round trip
+took 50 s on an 800 MB model where this takes 1.3 s, and needs the model under 2 GB). A
+folded tensor larger than ``max_fold_bytes`` is only created by a layout op on a weight
 (``Transpose(W)``), which does not grow the model.
 
 Safe because every folded value is computed by the op's own definition at the graph's
