@@ -48,8 +48,10 @@ ROW_OPS = ELEMENTWISE | AXIS_ATTR | REDUCE | {"MatMul", "Slice"}
 
 
 def _rowable(t: gs.Tensor) -> bool:
-    shape = static_shape(t)
-    return shape is not None and len(shape) >= 3 and all(d == 1 for d in shape[:-2]) and not is_constant(t)
+    """A computed ``[1, .., 1, S, X]`` tensor with static dims (the cheap rejections first)."""
+    shape = t.shape
+    return (shape is not None and len(shape) >= 3 and all(d == 1 for d in shape[:-2])
+            and static_shape(t) is not None and not is_constant(t))
 
 
 def _is_last(axis, rank: int) -> bool:

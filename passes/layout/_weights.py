@@ -233,8 +233,8 @@ def rewrite_head_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) -
     done = 0
     memo: dict = {}
     for node, proj in _projections(ir):
-        p_shape = static_shape(node.outputs[0])
-        if proj is None or p_shape is None:
+        p_shape = None if proj is None else static_shape(node.outputs[0])
+        if p_shape is None:
             continue
         chain = _movers_after(ir.graph, node.outputs[0])
         for length in range(len(chain), 0, -1):
