@@ -11,7 +11,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import DerivedValues, save_model
+from qnnpasses.ir.model import DerivedValues, ExternalValues, save_model
 from qnnpasses.passmanager.manager import PassManager
 from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.passmanager.spec import parse_pipeline
@@ -35,3 +35,15 @@ def test_htp_llm_on_external_weights_keeps_them_lazy_and_exact(tmp_path):
     inputs = {"input_ids": np.arange(16, dtype=np.int64)[None] % 300}
     expected, got = run_cpu(src, inputs)["logits"], run_cpu(out, inputs)["logits"]
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_matching_reads_no_weight_it_leaves_alone(tmp_path):
+    """Passes match projections on a weight's shape: a weight no pass rewrites is never read."""
+    src = build(LlamaShape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=300, seq=16),
+                tmp_path / "src" / "model.onnx", dtype="float32", weights="random")
+    ir = load_model(src)
+    PassManager(parse_pipeline(get_pipeline("htp-llm").to_text())).run(ir)
+    kept = {n.inputs[1].name: n.inputs[1] for n in ir.graph.nodes
+            if n.op == "MatMul" and isinstance(n.inputs[1], gs.Constant) and n.inputs[1].name.endswith(".weight")}
+    assert {"lm_head.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"} <= set(kept)
+    assert {name for name, t in kept.items() if not isinstance(t._values, ExternalValues)} == set()
