@@ -50,10 +50,18 @@ def _load(path: str) -> dict[str, Any]:
 
 def load_table(name_or_path: str | Path = "htp") -> dict[str, Any]:
     """A table by backend name ("htp") or path.  Cached: treat the result as read-only."""
+    if isinstance(name_or_path, str) and name_or_path in _BY_NAME:  # passes ask per match: no path work
+        return _BY_NAME[name_or_path]
     path = Path(name_or_path)
     if not path.suffix:
         path = TABLES_DIR / f"{name_or_path}.json"
+        _BY_NAME[name_or_path] = table = _load(str(path.resolve()))
+        return table
     return _load(str(path.resolve()))
+
+
+#: tables asked for by backend name (a bundled file, which does not change while the process runs)
+_BY_NAME: dict[str, dict[str, Any]] = {}
 
 
 def lookup(table: dict[str, Any], op_type: str, domain: str | None = "") -> dict[str, Any] | None:
