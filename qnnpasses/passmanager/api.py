@@ -273,7 +273,7 @@ class PassContext:
         :meth:`forget_names` before each), not per call: passes ask for thousands.
         """
         if self._taken is None or self._taken_graph != id(ir.graph):
-            self._taken = set(ir.graph.tensors().keys()) | {n.name for n in ir.graph.nodes}
+            self._taken = _names_in(ir)
             self._taken_graph = id(ir.graph)
         while True:
             candidate = f"{prefix}_qp{next(self._counter)}"
@@ -284,6 +284,20 @@ class PassContext:
     def forget_names(self) -> None:
         """Drop the cached set of taken names (the graph may have changed)."""
         self._taken = self._taken_graph = None
+
+
+def _names_in(ir: IRModel) -> set[str]:
+    """Every node and tensor name of the graph and its subgraphs (one walk; graphsurgeon's
+    ``tensors()`` builds and checks a name map, several times slower)."""
+    names: set[str] = set()
+    for graph in ir.graphs():
+        names.update(t.name for t in graph.inputs)
+        names.update(t.name for t in graph.outputs)
+        for node in graph.nodes:
+            names.add(node.name)
+            names.update(t.name for t in node.inputs)
+            names.update(t.name for t in node.outputs)
+    return names
 
 
 @dataclass
