@@ -12,7 +12,6 @@ from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import save_model
 from qnnpasses.passmanager.api import PassContext
-from qnnpasses.passmanager.instruments import IRDumpInstrument, ProgressInstrument
 from qnnpasses.passmanager.manager import PassManager, RunConfig, RunResult
 from qnnpasses.passmanager.named import get_pipeline
 from qnnpasses.passmanager.report import (
@@ -89,9 +88,7 @@ def main(args) -> int:
 
         calibration = load_data(args.calib, ir)
 
-    instruments = [] if args.quiet else [ProgressInstrument()]
-    if args.dump_ir:
-        instruments.append(IRDumpInstrument(Path(args.report_dir) / "ir"))
+    instruments = _instruments(args)
     config = RunConfig(verify=args.verify, strict=args.strict, allow_lossy=args.allow_lossy, inputs=inputs,
                        seed=args.seed, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
     manager = PassManager(pipeline, config, instruments, PassContext(allow_lossy=args.allow_lossy, shapes=shapes,
@@ -129,6 +126,22 @@ def main(args) -> int:
     if not args.quiet:
         _print_table(report)
     return 0
+
+
+def _instruments(args) -> list:
+    """Progress lines unless ``-q``, IR dumps with ``--dump-ir``.  Imported only then: the
+    instruments bring the canonical IR text and its diffing (hashlib, difflib), which a
+    quiet run never uses."""
+    instruments = []
+    if not args.quiet:
+        from qnnpasses.passmanager.instruments import ProgressInstrument
+
+        instruments.append(ProgressInstrument())
+    if args.dump_ir:
+        from qnnpasses.passmanager.instruments import IRDumpInstrument
+
+        instruments.append(IRDumpInstrument(Path(args.report_dir) / "ir"))
+    return instruments
 
 
 def _check_shape_names(ir, shapes: dict[str, list[int]]) -> None:
