@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,31 +50,36 @@ class _Model:
     def logits(self, ids: list[int]) -> np.ndarray:
         top = list(self.ref["greedy_top1"])
         top[self.wrong] = 0
-        return np.eye(10)[top]
+        return np.eye(10)[top]  # top-1 leads every other token by exactly 1
 
 
 def test_ceiling_run_counts_own_generation_and_teacher_forced_top1():
     items = [{"window": 3, "prompt": [1, 2, 3]}]
     refs = [{"tokens": [5, 6, 7, 8], "greedy_top1": [9, 9, 5, 6, 7, 8]}]
-    run = le.ceiling_run(_Model(refs[0], split=2, wrong=4), items, refs)
+    ties = [{"margin": [1.0, 1.0, 1.0, 1.0, 0.05, 1.0], "runner_up": [1] * 6, "top1": [20.0] * 6,
+             "fp16_spacing": [0.0156] * 6}]
+    run = le.ceiling_run(_Model(refs[0], split=2, wrong=4), items, refs, ties)
     assert run["identical_leading"] == [2] and run["identical_leading_mean"] == 2.0
     assert run["top1"] == 5 / 6 and run["positions"] == 6 and run["top1_generated"] == 3 / 4
     assert run["prompts"][0]["pair_tokens"] == [5, 6, 0, 8] and "prefill_seconds_mean" not in run
-    le.divergences(run, items, refs, [{"margin": [0.0, 0.0, 0.0, 0.0, 0.05, 0.0], "top1": [20.0] * 6,
-                                       "fp16_spacing": [0.0156] * 6}])
+    # fp32's margins (1 or 0.05 at position 4) against the model's (1, or 0 where its argmax is elsewhere)
+    assert run["margin_shift_max"] == pytest.approx(0.05) and run["margin_shift_std"] == pytest.approx(np.std([0.0] * 5 + [-0.05]))
+    le.divergences(run, items, refs, ties)
     assert [(d["token"], d["fp32_margin"]) for d in run["prompts"][0]["differs_at"]] == [(2, 0.05)]
 
 
-def _greedy(leading: list[int]) -> dict:
+def _greedy(leading: list[int], **more) -> dict:
     return {"identical_leading": leading, "identical_leading_mean": float(np.mean(leading)), "top1": 0.99,
             "positions": 47 * len(leading), "top1_generated": 0.98,
-            "prompts": [{"differs_at": []} for _ in leading]}
+            "prompts": [{"differs_at": []} for _ in leading], **more}
 
 
 def _doc(torch_fp16: list[int]) -> dict:
-    ceilings = {"fp16-weights": _greedy([32, 32]), "torch-fp16": _greedy(torch_fp16), "torch-bf16": _greedy([7, 14])}
-    return {"settings": {"new_tokens": 32},
-            "exports": {"kv_ts": {"runs": {"fp16:greedy": _greedy([9, 27])}, "ceilings": ceilings}}}
+    shift = {"margin_shift_std": 0.0134, "margin_shift_max": 0.108}
+    ceilings = {"fp16-weights": _greedy([32, 32], **shift), "torch-fp16": _greedy(torch_fp16, **shift),
+                "torch-bf16": _greedy([7, 14], **shift)}
+    htp = _greedy([9, 27], max_fp32_margin_where_differing=0.073)
+    return {"settings": {"new_tokens": 32}, "exports": {"kv_ts": {"runs": {"fp16:greedy": htp}, "ceilings": ceilings}}}
 
 
 def test_ceiling_table_sets_the_htp_pair_next_to_fp16_off_the_htp_and_says_what_it_shows():
@@ -81,6 +87,9 @@ def test_ceiling_table_sets_the_htp_pair_next_to_fp16_off_the_htp_and_says_what_
     text = "\n".join(rows)
     assert "| TorchScript | fp16 pair on the HTP (this project) | 18.00 (9, 27) |" in text
     assert "| TorchScript | Hugging Face model in torch float16 (CPU) | 31.50 (32, 31) |" in text
+    assert text.count("| 0.013 (0.108) |") == 3 and "| - (argmax only) |" in text
+    assert ("moves by σ ≤ 0.013 (at most 0.108), while the HTP pair lost the original's choice where it led by up to "
+            "0.073.") in text
     assert "in torch fp16 31.50 (TorchScript)" in text and "the HTP result has headroom" in text
     below = "\n".join(le._ceiling_rows(_doc([20, 31])))
     assert "headroom" not in below and "stays below 30 of 32 too" in below

@@ -115,14 +115,16 @@ def reference_run(export: Path, items: list[dict], new_tokens: int) -> list[dict
 
 def near_ties(export: Path, items: list[dict], refs: list[dict]) -> list[dict[str, list[float]]]:
     """Per prompt, at every position of the prompt + the original's tokens: fp32's top-1 minus
-    top-2 logit (how decided the original is) and fp16's spacing at its top logit."""
+    top-2 logit (how decided the original is), its runner-up token and fp16's spacing at its top logit."""
     from qnnpasses.llm.reference import ReferenceModel
 
     model, out = ReferenceModel(export), []
     for item, ref in zip(items, refs):
         logits = model.logits(item["prompt"] + ref["tokens"][:-1])
-        top2 = np.sort(logits, axis=-1)[:, -2:]
+        order = np.argsort(logits, axis=-1)[:, -2:]
+        top2 = np.take_along_axis(logits, order, axis=-1)
         out.append({"margin": (top2[:, 1] - top2[:, 0]).tolist(), "top1": top2[:, 1].tolist(),
+                    "runner_up": order[:, 0].tolist(),
                     "fp16_spacing": np.spacing(np.abs(top2[:, 1]).astype(np.float16)).astype(float).tolist()})
     return out
 
@@ -209,22 +211,27 @@ def ceiling_model(name: str, export: Path, work: Path) -> Any:
         return ReferenceModel(path)
 
 
-def ceiling_run(model: Any, items: list[dict], refs: list[dict]) -> dict[str, Any]:
+def ceiling_run(model: Any, items: list[dict], refs: list[dict], ties: list[dict]) -> dict[str, Any]:
     """``model``'s own greedy generation (identical leading tokens) and its teacher-forced argmax
-    on the prompt + the original's tokens (top-1), as :func:`pair_run` measures the pair."""
+    on the prompt + the original's tokens (top-1), as :func:`pair_run` measures the pair; and how
+    far its logits move fp32's top-1 minus runner-up margin (what decides a near-tie)."""
     from qnnpasses.llm.reference import leading_matches
 
-    rows = []
-    for item, ref in zip(items, refs):
+    rows, shifts = [], []
+    for item, ref, tie in zip(items, refs, ties):
         tokens = model.generate(item["prompt"], len(ref["tokens"]))
-        argmax = model.logits(item["prompt"] + ref["tokens"][:-1]).argmax(-1)
+        logits = model.logits(item["prompt"] + ref["tokens"][:-1])
+        argmax, at = logits.argmax(-1), np.arange(len(logits))
+        shifts.append(logits[at, ref["greedy_top1"]] - logits[at, tie["runner_up"]] - np.asarray(tie["margin"]))
         agree, first = argmax == np.asarray(ref["greedy_top1"]), len(item["prompt"]) - 1
         rows.append({"window": item["window"], "tokens": tokens, "identical_leading": leading_matches(tokens, ref["tokens"]),
                      "agree": int(agree.sum()), "positions": int(agree.size), "generated_agree": int(agree[first:].sum()),
                      "pair_tokens": argmax[first:].tolist()})
         log.info("  window %d: %d identical leading, top-1 %d/%d", item["window"], rows[-1]["identical_leading"],
                  rows[-1]["agree"], rows[-1]["positions"])
-    return summarize({"mode": "greedy", "prompts": rows}, refs)
+    shift = np.concatenate(shifts)
+    return {**summarize({"mode": "greedy", "prompts": rows}, refs), "margin_shift_std": float(shift.std()),
+            "margin_shift_max": float(np.abs(shift).max())}
 
 
 def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str, on: str = "htp") -> dict[str, Any]:
@@ -378,19 +385,29 @@ def _ceiling_rows(doc: dict[str, Any]) -> list[str]:
     """The HTP fp16 pair next to the off-HTP runs of :data:`CEILINGS`, and what they show."""
     s, target = doc["settings"], TARGETS["identical_leading_mean"]
     rows = [(f"| export | run | identical leading tokens (of {s['new_tokens']}) | teacher-forced top-1 | "
-             "generated tokens that differ: fp32 top-2 margin |"), "|---|---|---|---:|---|"]
+             "generated tokens that differ: fp32 top-2 margin | fp32 top-2 margin moved by: σ (max) |"),
+            "|---|---|---|---:|---|---|"]
     figures: dict[str, list[str]] = {"htp": [], **{name: [] for name in CEILINGS}}
     for name, res in doc["exports"].items():
         runs = {"htp": res["runs"].get("fp16:greedy"), **res.get("ceilings", {})}
         for key, r in runs.items():
             if r and "error" not in r:
                 label = "fp16 pair on the HTP (this project)" if key == "htp" else CEILINGS[key]
-                rows.append(f"| {_name(name)} | {label} | " + " | ".join(_greedy_cells(r)) + " |")
+                shift = (f"{r['margin_shift_std']:.3f} ({r['margin_shift_max']:.3f})" if "margin_shift_std" in r
+                         else "- (argmax only)")
+                rows.append(f"| {_name(name)} | {label} | " + " | ".join(_greedy_cells(r)) + f" | {shift} |")
                 figures[key].append(f"{r['identical_leading_mean']:.2f} ({_name(name)})")
     if not any(figures[name] for name in CEILINGS):
         return []
-    torch16 = [r["identical_leading_mean"] for res in doc["exports"].values()
-               for k, r in res.get("ceilings", {}).items() if k == "torch-fp16"]
+    torch16 = [r for res in doc["exports"].values() for k, r in res.get("ceilings", {}).items() if k == "torch-fp16"]
+    turned = [r["max_fp32_margin_where_differing"] for res in doc["exports"].values()
+              for r in [res["runs"].get("fp16:greedy") or {}] if r.get("max_fp32_margin_where_differing")]
+    moved = (f" In torch fp16 the margin between fp32's top two tokens moves by σ ≤ "
+             f"{max(r['margin_shift_std'] for r in torch16):.3f} (at most {max(r['margin_shift_max'] for r in torch16):.3f})"
+             + (f", while the HTP pair lost the original's choice where it led by up to {max(turned):.3f}."
+                if turned else ".")
+             if torch16 and all("margin_shift_std" in r for r in torch16) else "")
+    torch16 = [r["identical_leading_mean"] for r in torch16]
     verdict = (f"so fp16 weights and activations (with those two reductions in fp32) reach ≥ {target} of "
                f"{s['new_tokens']} on these prompts: the pair's shortfall is not a limit of fp16, and the HTP result "
                "has headroom" if torch16 and min(torch16) >= target else
@@ -400,8 +417,9 @@ def _ceiling_rows(doc: dict[str, Any]) -> list[str]:
                         f"{', '.join(figures['torch-fp16']) or '-'} (Hugging Face's Llama code keeps the RMSNorm "
                         "statistics and the attention softmax in fp32), in bfloat16 "
                         f"{', '.join(figures['torch-bf16']) or '-'}; the HTP fp16 pair {', '.join(figures['htp'])} — "
-                        f"{verdict}. Identical leading tokens come from each run's own greedy generation with a "
-                        "growing cache, top-1 from one teacher-forced pass over the prompt + the original's tokens.")]
+                        f"{verdict}.{moved} Identical leading tokens come from each run's own greedy generation with a "
+                        "growing cache, top-1 and the margin's shift from one teacher-forced pass over the prompt + "
+                        "the original's tokens.")]
 
 
 def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
@@ -597,16 +615,16 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
     if refs is None:
         return {"export": export.name, "builds": {}, "runs": {}, "reference_tokens": [],
                 "not_run": args.precisions.split(",")}
-    ties = _cached(args.work / f"{exporter}_ties.json", {**key, "ties": 2}, args.reuse,
+    ties = _cached(args.work / f"{exporter}_ties.json", {**key, "ties": 3}, args.reuse,
                    lambda: near_ties(export, items, refs))
     res: dict[str, Any] = {"export": export.name, "export_nodes": record["exports"][exporter]["nodes"], "prompts": items,
                            "reference_tokens": [r["tokens"] for r in refs], "builds": {}, "runs": {}, "not_run": [],
                            "ceilings": {}}
     for name, label in CEILINGS.items():
         log.info("%s: %s", exporter, label)
-        value = _cached(args.work / f"{exporter}_ceiling_{name}.json", {**key, "ceiling": name}, args.reuse,
-                        None if args.render_only else lambda name=name: ceiling_run(
-                            ceiling_model(name, export, args.work), items, refs))
+        value = _cached(args.work / f"{exporter}_ceiling_{name}.json", {**key, "ceiling": name, "ties": 3},
+                        args.reuse, None if args.render_only else lambda name=name: ceiling_run(
+                            ceiling_model(name, export, args.work), items, refs, ties))
         if value is not None:
             divergences(value, items, refs, ties)
             res["ceilings"][name] = value
