@@ -88,9 +88,13 @@ def test_ceiling_table_sets_the_htp_pair_next_to_fp16_off_the_htp_and_says_what_
     assert "| TorchScript | fp16 pair on the HTP (this project) | 18.00 (9, 27) |" in text
     assert "| TorchScript | Hugging Face model in torch float16 (CPU) | 31.50 (32, 31) |" in text
     assert text.count("| 0.013 (0.108) |") == 3 and "| - (argmax only) |" in text
-    assert ("moves by σ ≤ 0.013 (at most 0.108), while the HTP pair lost the original's choice where it led by up to "
-            "0.073.") in text
+    assert ("moves by σ ≤ 0.013 (at most 0.108) in torch fp16; the HTP pair lost the original's choice where it led "
+            "by up to 0.073.") in text
     assert "in torch fp16 31.50 (TorchScript)" in text and "the HTP result has headroom" in text
-    below = "\n".join(le._ceiling_rows(_doc([20, 31])))
+    doc = _doc([20, 31])
+    doc["exports"]["kv_ts"]["runs"]["fp16:greedy"].update(margin_shift_std=0.05, margin_shift_max=0.2)
+    below = "\n".join(le._ceiling_rows(doc))
+    assert "| TorchScript | fp16 pair on the HTP (this project) | 18.00 (9, 27) | 99.0% of 94 (2 prompts) (98.0% of the generated) | none | 0.050 (0.200) |" in below
+    assert "σ ≤ 0.013 (at most 0.108) in torch fp16, by σ ≤ 0.050 (at most 0.200) on the HTP;" in below
     assert "headroom" not in below and "stays below 30 of 32 too" in below
     assert le._ceiling_rows({"settings": {"new_tokens": 32}, "exports": {"kv_ts": {"runs": {}}}}) == []

@@ -211,6 +211,18 @@ def ceiling_model(name: str, export: Path, work: Path) -> Any:
         return ReferenceModel(path)
 
 
+def margin_shift(logits: np.ndarray, ref: dict, tie: dict) -> np.ndarray:
+    """Per position: a run's logit of fp32's top-1 token minus its logit of fp32's runner-up, less
+    fp32's own margin — how far the run moves what decides a near-tie (negative: towards flipping)."""
+    at = np.arange(len(logits))
+    return logits[at, ref["greedy_top1"]] - logits[at, tie["runner_up"]] - np.asarray(tie["margin"])
+
+
+def shift_stats(shifts: list[np.ndarray]) -> dict[str, float]:
+    shift = np.concatenate(shifts)
+    return {"margin_shift_std": float(shift.std()), "margin_shift_max": float(np.abs(shift).max())}
+
+
 def ceiling_run(model: Any, items: list[dict], refs: list[dict], ties: list[dict]) -> dict[str, Any]:
     """``model``'s own greedy generation (identical leading tokens) and its teacher-forced argmax
     on the prompt + the original's tokens (top-1), as :func:`pair_run` measures the pair; and how
@@ -221,33 +233,34 @@ def ceiling_run(model: Any, items: list[dict], refs: list[dict], ties: list[dict
     for item, ref, tie in zip(items, refs, ties):
         tokens = model.generate(item["prompt"], len(ref["tokens"]))
         logits = model.logits(item["prompt"] + ref["tokens"][:-1])
-        argmax, at = logits.argmax(-1), np.arange(len(logits))
-        shifts.append(logits[at, ref["greedy_top1"]] - logits[at, tie["runner_up"]] - np.asarray(tie["margin"]))
+        argmax = logits.argmax(-1)
+        shifts.append(margin_shift(logits, ref, tie))
         agree, first = argmax == np.asarray(ref["greedy_top1"]), len(item["prompt"]) - 1
         rows.append({"window": item["window"], "tokens": tokens, "identical_leading": leading_matches(tokens, ref["tokens"]),
                      "agree": int(agree.sum()), "positions": int(agree.size), "generated_agree": int(agree[first:].sum()),
                      "pair_tokens": argmax[first:].tolist()})
         log.info("  window %d: %d identical leading, top-1 %d/%d", item["window"], rows[-1]["identical_leading"],
                  rows[-1]["agree"], rows[-1]["positions"])
-    shift = np.concatenate(shifts)
-    return {**summarize({"mode": "greedy", "prompts": rows}, refs), "margin_shift_std": float(shift.std()),
-            "margin_shift_max": float(np.abs(shift).max())}
+    return {**summarize({"mode": "greedy", "prompts": rows}, refs), **shift_stats(shifts)}
 
 
-def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str, on: str = "htp") -> dict[str, Any]:
+def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str, on: str = "htp",
+             ties: list[dict] | None = None) -> dict[str, Any]:
     """The pair on the HTP (``on="cpu"``: the same graphs on onnxruntime CPU, a proxy for a
     quantized pair that takes minutes instead of the simulator's tens), one teacher-forced pass per prompt.
 
     ``mode`` "greedy": the prompt + the original's greedy tokens (identical leading tokens,
-    teacher-forced top-1; continuation through the decode graph); "text": the prompt + the real
-    continuation fed in prefill chunks of M (top-1 agreement with fp32 and perplexity)."""
+    teacher-forced top-1, with ``ties`` the shift of fp32's top-2 margin; continuation through the
+    decode graph); "text": the prompt + the real continuation fed in prefill chunks of M (top-1
+    agreement with fp32 and perplexity)."""
     from qnnpasses.llm.runner import Runner
 
     start = time.perf_counter()
     runner = Runner(folder, on=on)
     runner.open()
     result: dict[str, Any] = {"mode": mode, "on": on, "load_seconds": round(time.perf_counter() - start, 2), "prompts": []}
-    for item, ref in zip(items, refs):
+    shifts = []
+    for index, (item, ref) in enumerate(zip(items, refs)):
         before = {k: list(v) for k, v in runner.timings.items()}
         fed = ref["tokens"][:-1] if mode == "greedy" else item["text"]
         if mode == "greedy":
@@ -266,11 +279,13 @@ def pair_run(folder: Path, items: list[dict], refs: list[dict], mode: str, on: s
             row["identical_leading"] = leading_from_teacher_forcing(argmax, len(item["prompt"]), ref["tokens"])
             row["generated_agree"] = int((argmax == want)[len(item["prompt"]) - 1:].sum())
             row["pair_tokens"] = argmax[len(item["prompt"]) - 1:].tolist()
+            if ties:
+                shifts.append(margin_shift(logits, ref, ties[index]))
         else:
             row["nll"] = am.token_nll(logits, np.asarray(item["labels"])).tolist()
         result["prompts"].append(row)
         log.info("  window %d: %s", item["window"], {k: v for k, v in row.items() if k not in ("nll", "pair_tokens")})
-    return summarize(result, refs)
+    return {**summarize(result, refs), **(shift_stats(shifts) if shifts else {})}
 
 
 def summarize(result: dict[str, Any], refs: list[dict]) -> dict[str, Any]:
@@ -400,13 +415,19 @@ def _ceiling_rows(doc: dict[str, Any]) -> list[str]:
     if not any(figures[name] for name in CEILINGS):
         return []
     torch16 = [r for res in doc["exports"].values() for k, r in res.get("ceilings", {}).items() if k == "torch-fp16"]
-    turned = [r["max_fp32_margin_where_differing"] for res in doc["exports"].values()
-              for r in [res["runs"].get("fp16:greedy") or {}] if r.get("max_fp32_margin_where_differing")]
-    moved = (f" In torch fp16 the margin between fp32's top two tokens moves by σ ≤ "
-             f"{max(r['margin_shift_std'] for r in torch16):.3f} (at most {max(r['margin_shift_max'] for r in torch16):.3f})"
-             + (f", while the HTP pair lost the original's choice where it led by up to {max(turned):.3f}."
-                if turned else ".")
-             if torch16 and all("margin_shift_std" in r for r in torch16) else "")
+    htp = [r for res in doc["exports"].values() for r in [res["runs"].get("fp16:greedy") or {}] if r.get("prompts")]
+    turned = [r["max_fp32_margin_where_differing"] for r in htp if r.get("max_fp32_margin_where_differing")]
+
+    def shift(runs: list[dict]) -> str:
+        return (f"σ ≤ {max(r['margin_shift_std'] for r in runs):.3f} (at most "
+                f"{max(r['margin_shift_max'] for r in runs):.3f})")
+
+    moved = ""
+    if torch16 and all("margin_shift_std" in r for r in torch16):
+        moved = f" The margin between fp32's top two tokens moves by {shift(torch16)} in torch fp16"
+        moved += f", by {shift(htp)} on the HTP" if htp and all("margin_shift_std" in r for r in htp) else ""
+        moved += (f"; the HTP pair lost the original's choice where it led by up to {max(turned):.3f}."
+                  if turned else ".")
     torch16 = [r["identical_leading_mean"] for r in torch16]
     verdict = (f"so fp16 weights and activations (with those two reductions in fp32) reach ≥ {target} of "
                f"{s['new_tokens']} on these prompts: the pair's shortfall is not a limit of fp16, and the HTP result "
@@ -662,20 +683,22 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                                                             (q.get("own_activation_ranges") or {}).values())}
         if precision == "fp16":
             res["graphs"] = graph_rows(built)
-        run_items, run_refs = items, refs
+        run_items, run_refs, run_ties = items, refs, ties
         if precision != "fp16" and args.quantized_prompts:
             run_items = prompts(args.quantized_prompts, args.prompt_tokens, args.new_tokens)
             windows = [i["window"] for i in items]
             if any(i["window"] not in windows for i in run_items):
                 raise SystemExit("--quantized-prompts must pick a subset of the fp16 prompts' windows")
             run_refs = [refs[windows.index(i["window"])] for i in run_items]
+            run_ties = [ties[windows.index(i["window"])] for i in run_items]
         for mode in (RUNS[precision] + (("text",) if precision == "fp16" and args.fp16_text else ())
                      if "htp" in args.on else ()):
             log.info("%s %s: teacher-forced on the HTP (%s)", exporter, precision, mode)
             run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
-                       "prefill": args.prefill, "mode": mode, "built": built["report"].get("seconds")}
+                       "prefill": args.prefill, "mode": mode, "built": built["report"].get("seconds"),
+                       **({"margins": 1} if mode == "greedy" else {})}
             compute = None if args.render_only else (
-                lambda out=out, mode=mode, it=run_items, rf=run_refs: pair_run(out, it, rf, mode))
+                lambda out=out, mode=mode, it=run_items, rf=run_refs, rt=run_ties: pair_run(out, it, rf, mode, ties=rt))
             value = _cached(out / f"eval_{mode}.json", run_key, args.reuse, compute)
             if value is None:
                 res["not_run"].append(precision)
@@ -688,9 +711,10 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             # the CPU proxy: the same QDQ graphs on onnxruntime CPU (greedy: the continuation through decode)
             log.info("%s %s: teacher-forced on onnxruntime CPU (%s)", exporter, precision, mode)
             run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
-                       "prefill": args.prefill, "mode": mode, "on": "cpu", "built": built["report"].get("seconds")}
+                       "prefill": args.prefill, "mode": mode, "on": "cpu", "built": built["report"].get("seconds"),
+                       **({"margins": 1} if mode == "greedy" else {})}
             compute = None if args.render_only else (
-                lambda out=out, mode=mode, it=run_items, rf=run_refs: pair_run(out, it, rf, mode, on="cpu"))
+                lambda out=out, mode=mode, it=run_items, rf=run_refs, rt=run_ties: pair_run(out, it, rf, mode, "cpu", rt))
             value = _cached(out / f"eval_{mode}_cpu.json", run_key, args.reuse, compute)
             if value is not None:
                 if mode == "greedy":
