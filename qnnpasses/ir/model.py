@@ -584,7 +584,9 @@ def resolve_stubs(proto: onnx.ModelProto, sources: list[Source], data_file: Path
             if out is None or is_attribute or _tensor_nbytes(tensor) < EXTERNAL_THRESHOLD_BYTES:
                 tensor.raw_data = b"".join(bytes(c) for c in chunks)
                 del tensor.external_data[:]
-                tensor.data_location = onnx.TensorProto.DEFAULT
+                # cleared, not set to DEFAULT: a weight inlined from its lazy source must give
+                # the bytes it gives once a pass has read it (which exports no such field)
+                tensor.ClearField("data_location")
             else:
                 _write_external(tensor, chunks, out, data_file, sources[index])
     finally:
