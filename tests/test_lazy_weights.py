@@ -47,3 +47,18 @@ def test_matching_reads_no_weight_it_leaves_alone(tmp_path):
             if n.op == "MatMul" and isinstance(n.inputs[1], gs.Constant) and n.inputs[1].name.endswith(".weight")}
     assert {"lm_head.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"} <= set(kept)
     assert {name for name, t in kept.items() if not isinstance(t._values, ExternalValues)} == set()
+
+
+def test_saved_bytes_do_not_depend_on_which_weights_were_read(tmp_path):
+    """A weight inlined at save (small) or written to the data file (large) gives the same
+    bytes whether it is still lazy or a pass has read it."""
+    model = Path(__file__).parent / "fixtures" / "genai" / "llama_fp32" / "model.onnx"
+    lazy, read = load_model(model), load_model(model)
+    for node in read.graph.nodes:
+        for tensor in node.inputs:
+            if isinstance(tensor, gs.Constant):
+                assert tensor.values is not None  # loads it
+    save_model(lazy, tmp_path / "lazy" / "m.onnx", external_data=True)
+    save_model(read, tmp_path / "read" / "m.onnx", external_data=True)
+    for name in ("m.onnx", "m.onnx.data"):
+        assert (tmp_path / "lazy" / name).read_bytes() == (tmp_path / "read" / name).read_bytes()
