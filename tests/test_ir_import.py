@@ -34,10 +34,24 @@ def _value_infos(model: onnx.ModelProto) -> onnx.ModelProto:
     return inferred
 
 
+def _stored_apart(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its first initializer marked external (never read by the import) and
+    stored twice under one name (the import keeps the first)."""
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    first = changed.graph.initializer[0]
+    first.data_location = onnx.TensorProto.EXTERNAL
+    first.external_data.add(key="location", value="weights.bin")
+    changed.graph.initializer.append(changed.graph.initializer[1])
+    changed.graph.initializer[-1].name = changed.graph.initializer[0].name
+    return changed
+
+
 def _models() -> list[tuple[str, onnx.ModelProto]]:
     edge = onnx.parser.parse_model(EDGE_CASES)
     fixtures = [(path.stem, onnx.load(path, load_external_data=False)) for path in sorted(FIXTURES.glob("*.onnx"))]
-    return [("edge_cases", edge), ("edge_cases_value_infos", _value_infos(edge)), *fixtures]
+    return [("edge_cases", edge), ("edge_cases_value_infos", _value_infos(edge)),
+            ("edge_cases_stored_apart", _stored_apart(edge)), *fixtures]
 
 
 def _state(graph: gs.Graph) -> tuple:

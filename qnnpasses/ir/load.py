@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import onnx
@@ -183,10 +184,10 @@ def _import_graph(proto: onnx.ModelProto, where: str) -> gs.Graph:
 
 def _import_main_graph(model: onnx.ModelProto) -> gs.Graph:
     """``gs.import_onnx`` of a model without functions or sparse initializers, the same graph
-    (tests/test_ir_import.py compares them) in about half the time: nodes and the tensors
-    they create are built directly, not through graphsurgeon's synchronizing setters, which
-    were most of a load.  Initializers, value infos, graph inputs and outputs, and attributes
-    (subgraphs included) still go through graphsurgeon's importer, in its order."""
+    (tests/test_ir_import.py compares them) in about half the time: initializers, nodes and
+    the tensors nodes create are built directly, not through graphsurgeon's synchronizing
+    setters, which were most of a load.  Value infos, graph inputs and outputs, and
+    attributes (subgraphs included) still go through graphsurgeon's importer, in its order."""
     graph = model.graph
     opset = OnnxImporter.get_opset(model)
     tensors: dict[str, gs.Tensor] = {}
@@ -203,7 +204,8 @@ def _import_main_graph(model: onnx.ModelProto) -> gs.Graph:
         return known
 
     for initializer in graph.initializer:
-        get(initializer)
+        if initializer.name not in tensors:
+            tensors[initializer.name] = _constant(initializer)
     for info in graph.value_info:
         get(info, overwrite=True)
     initializer_names = {t.name for t in graph.initializer}
@@ -218,7 +220,8 @@ def _import_main_graph(model: onnx.ModelProto) -> gs.Graph:
 def _import_node(proto: onnx.NodeProto, tensors: dict[str, gs.Tensor], opset, domains) -> gs.Node:
     """graphsurgeon's ``import_node`` for a main-graph node: the state ``gs.Node`` and
     ``gs.Variable`` set in their constructors, and both sides of every edge."""
-    attrs = OnnxImporter.import_attributes(proto.attribute, {}, tensors, opset, domains)
+    attrs = (OnnxImporter.import_attributes(proto.attribute, {}, tensors, opset, domains) if proto.attribute
+             else OrderedDict())  # what graphsurgeon gives for none, without its per-node setup
     node = object.__new__(gs.Node)
     inputs, outputs = _empty_list(node, "outputs"), _empty_list(node, "inputs")
     node.__dict__.update(op=proto.op_type, name=proto.name, attrs=attrs, inputs=inputs, outputs=outputs,
@@ -231,6 +234,15 @@ def _import_node(proto: onnx.NodeProto, tensors: dict[str, gs.Tensor], opset, do
             list.append(edges, tensor)
             list.append(getattr(tensor, back), node)
     return node
+
+
+def _constant(proto: onnx.TensorProto) -> gs.Constant:
+    """graphsurgeon's import of an initializer (values read lazily), without its setters."""
+    tensor = object.__new__(gs.Constant)
+    location = int(proto.data_location) if proto.HasField("data_location") else None
+    tensor.__dict__.update(name=proto.name, inputs=_empty_list(tensor, "outputs"), outputs=_empty_list(tensor, "inputs"),
+                           _values=LazyValues(proto), data_location=location, _export_dtype=None)
+    return tensor
 
 
 def _variable(name: str) -> gs.Variable:
