@@ -44,6 +44,8 @@ def _vandalize(ir) -> None:
     first.outputs[0].name = "renamed_tensor"
     constant = next(t for n in graph.nodes for t in n.inputs if isinstance(t, gs.Constant))
     constant.values = np.zeros((1,), np.float32)
+    variable = next(t for n in graph.nodes[2:] for t in n.outputs if isinstance(t, gs.Variable))
+    variable.to_constant(np.ones((2,), np.float32))  # graphsurgeon changes the class in place
     graph.import_domains[0].version += 1
     graph.opset += 1
     ir.metadata_props["vandal"] = "yes"

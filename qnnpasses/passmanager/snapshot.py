@@ -2,8 +2,9 @@
 
 A :class:`Snapshot` records everything a pass can change without copying a single node or
 tensor object: each graph's fields (node order, inputs, outputs, opset, ...), each node's
-fields, attributes and input/output lists, each tensor's fields (name, dtype, shape, values)
-with its producer and consumer lists in their order, and the model's fields.
+fields, attributes and input/output lists, each tensor's class (Variable or Constant) and
+fields (name, dtype, shape, values) with its producer and consumer lists in their order,
+and the model's fields.
 :meth:`Snapshot.restore` writes them back into the same objects.
 
 Why not a copy of the graph: a copy builds a new object for every node and tensor, and the
@@ -31,7 +32,7 @@ class Snapshot:
     model: dict
     graphs: list[tuple[gs.Graph, dict]]
     nodes: list[tuple[gs.Node, dict, list, list]]
-    tensors: list[tuple[gs.Tensor, dict, list, list]]
+    tensors: list[tuple[gs.Tensor, type, dict, list, list]]
 
     @classmethod
     def take(cls, ir: IRModel) -> Snapshot:
@@ -47,7 +48,8 @@ class Snapshot:
             state = dict(tensor.__dict__)
             if type(state.get("shape")) is list:
                 state["shape"] = list(state["shape"])
-            tensors.append((tensor, state, list(tensor.inputs), list(tensor.outputs)))
+            # the class too: graphsurgeon's to_constant()/to_variable() change it in place
+            tensors.append((tensor, type(tensor), state, list(tensor.inputs), list(tensor.outputs)))
 
         for graph in ir.graphs():
             state = dict(graph.__dict__)
@@ -76,7 +78,8 @@ class Snapshot:
         The lists are filled with ``list`` methods: graphsurgeon's synchronized lists would
         otherwise edit the other side of each edge again.  A snapshot can be restored more
         than once (its own lists are copied, never handed to the graph)."""
-        for tensor, state, producers, consumers in self.tensors:
+        for tensor, cls, state, producers, consumers in self.tensors:
+            tensor.__class__ = cls
             _set_state(tensor, state, {"inputs": producers, "outputs": consumers})
         for node, state, inputs, outputs in self.nodes:
             _set_state(node, state, {"inputs": inputs, "outputs": outputs})
