@@ -185,7 +185,9 @@ def finish_graph(graph: gs.Graph) -> gs.Graph:
 # --------------------------------------------------------------------------- copy
 
 
-def _empty_list(owner, field: str) -> SynchronizedList:
+def edge_list(owner, field: str) -> SynchronizedList:
+    """An empty graphsurgeon edge list of ``owner`` (a node's ``inputs`` syncs the tensors'
+    ``outputs``: ``field`` names the other side), built without its per-item bookkeeping."""
     synced = SynchronizedList.__new__(SynchronizedList)
     synced.parent_obj = owner
     synced.field_name = field
@@ -197,8 +199,8 @@ def _copy_tensor(tensor: gs.Tensor) -> gs.Tensor:
     state = dict(tensor.__dict__)
     if isinstance(state.get("shape"), list):
         state["shape"] = list(state["shape"])
-    state["inputs"] = _empty_list(new, "outputs")
-    state["outputs"] = _empty_list(new, "inputs")
+    state["inputs"] = edge_list(new, "outputs")
+    state["outputs"] = edge_list(new, "inputs")
     new.__dict__.update(state)
     return new
 
@@ -223,7 +225,7 @@ def copy_graph(graph: gs.Graph) -> gs.Graph:
         state = dict(node.__dict__)
         state.pop("id", None)
         state["attrs"] = type(node.attrs)(node.attrs)
-        inputs, outputs = _empty_list(new, "outputs"), _empty_list(new, "inputs")
+        inputs, outputs = edge_list(new, "outputs"), edge_list(new, "inputs")
         state["inputs"], state["outputs"] = inputs, outputs
         new.__dict__.update(state)
         for tensor in node.inputs:

@@ -20,7 +20,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.checks import check_model, runtime_only_ops
-from qnnpasses.ir.graph_ops import _empty_list
+from qnnpasses.ir.graph_ops import edge_list
 from qnnpasses.ir.model import (
     ExternalSource,
     ExternalValues,
@@ -223,7 +223,7 @@ def _import_node(proto: onnx.NodeProto, tensors: dict[str, gs.Tensor], opset, do
     attrs = (OnnxImporter.import_attributes(proto.attribute, {}, tensors, opset, domains) if proto.attribute
              else OrderedDict())  # what graphsurgeon gives for none, without its per-node setup
     node = object.__new__(gs.Node)
-    inputs, outputs = _empty_list(node, "outputs"), _empty_list(node, "inputs")
+    inputs, outputs = edge_list(node, "outputs"), edge_list(node, "inputs")
     node.__dict__.update(op=proto.op_type, name=proto.name, attrs=attrs, inputs=inputs, outputs=outputs,
                          domain=proto.domain if proto.HasField("domain") else None)
     for names, edges, back in ((proto.input, inputs, "outputs"), (proto.output, outputs, "inputs")):
@@ -240,7 +240,7 @@ def _constant(proto: onnx.TensorProto) -> gs.Constant:
     """graphsurgeon's import of an initializer (values read lazily), without its setters."""
     tensor = object.__new__(gs.Constant)
     location = int(proto.data_location) if proto.HasField("data_location") else None
-    tensor.__dict__.update(name=proto.name, inputs=_empty_list(tensor, "outputs"), outputs=_empty_list(tensor, "inputs"),
+    tensor.__dict__.update(name=proto.name, inputs=edge_list(tensor, "outputs"), outputs=edge_list(tensor, "inputs"),
                            _values=LazyValues(proto), data_location=location, _export_dtype=None)
     return tensor
 
@@ -248,7 +248,7 @@ def _constant(proto: onnx.TensorProto) -> gs.Constant:
 def _variable(name: str) -> gs.Variable:
     """``gs.Variable(name)``, without its setters."""
     tensor = object.__new__(gs.Variable)
-    tensor.__dict__.update(name=name, inputs=_empty_list(tensor, "outputs"), outputs=_empty_list(tensor, "inputs"),
+    tensor.__dict__.update(name=name, inputs=edge_list(tensor, "outputs"), outputs=edge_list(tensor, "inputs"),
                            dtype=None, shape=None, type="tensor_type")
     return tensor
 
