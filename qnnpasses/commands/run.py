@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from pathlib import Path
@@ -97,7 +98,8 @@ def main(args) -> int:
     ops_before = op_histogram(ir)
     before = model_snapshot(ir) if args.report_dir else None
     try:
-        result = manager.run(ir)
+        with _no_cyclic_collections():
+            result = manager.run(ir)
     except CheckFailedError:
         if args.report_dir:
             partial = manager.result or RunResult(manager.records)
@@ -126,6 +128,21 @@ def main(args) -> int:
     if not args.quiet:
         _print_table(report)
     return 0
+
+
+@contextlib.contextmanager
+def _no_cyclic_collections():
+    """The cyclic garbage collector off while the passes run.  Rewrites allocate millions of
+    small objects, each collection then rescans the young ones (8% of a 128-layer run's CPU);
+    what they leave unreachable is freed by reference counting (a removed node's edges are
+    cleared), and a 128-layer LLaMA's run peaks at the same memory either way."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _instruments(args) -> list:
