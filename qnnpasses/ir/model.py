@@ -219,15 +219,20 @@ class IRModel:
 
 
 def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
+    """``graph`` and every subgraph in its nodes' attributes, depth first.  Runs several times
+    per pass (the manager's fingerprint and snapshot walk every graph), so it reads each
+    attribute once and no list item but the first: an ONNX attribute list holds one type."""
     yield graph
     for node in graph.nodes:
-        for value in node.attrs.values():  # no list per attribute: this runs several times per pass
+        attrs = node.attrs
+        if not attrs:
+            continue
+        for value in attrs.values():
             if isinstance(value, gs.Graph):
                 yield from iter_graphs(value)
-            elif isinstance(value, list):
+            elif type(value) is list and value and isinstance(value[0], gs.Graph):
                 for sub in value:
-                    if isinstance(sub, gs.Graph):
-                        yield from iter_graphs(sub)
+                    yield from iter_graphs(sub)
 
 
 def const_nbytes(tensor: gs.Constant) -> int:
