@@ -119,15 +119,23 @@ def _onnxruntime_default_ops() -> frozenset[str]:
     return _ORT_DEFAULT_OPS
 
 
+# the default-domain operators with graph attributes (the ONNX spec's control flow); an op of
+# any other domain may have them too
+_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
 def _walk_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs.  Only a node that can own a subgraph has
+    its attributes read: the check walks every node after every pass."""
     for node in graph.node:
         yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _walk_nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _walk_nodes(g)
+        if node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from _walk_nodes(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for g in attr.graphs:
+                        yield from _walk_nodes(g)
 
 
 def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelProto:
@@ -149,7 +157,7 @@ def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelP
 
     def as_input(name: str, tensor: onnx.TensorProto) -> None:
         if name not in input_names:
-            graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+            graph.input.append(_input_info(name, tensor.data_type, tuple(tensor.dims)))
             input_names.add(name)
 
     kept = []
@@ -173,6 +181,12 @@ def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelP
         del graph.node[:]
         graph.node.extend(nodes)
     return clone
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _input_info(name: str, data_type: int, dims: tuple[int, ...]) -> onnx.ValueInfoProto:
+    """A stub's graph input (the same few hundred after every pass; ``append`` copies it)."""
+    return onnx.helper.make_tensor_value_info(name, data_type, list(dims))
 
 
 def infer_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
