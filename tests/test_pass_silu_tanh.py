@@ -79,7 +79,7 @@ def test_fp16_graph_keeps_fp16_and_stays_within_fp16_rounding():
 @requires_htp
 def test_one_token_mlp_gate_is_closer_to_fp32_on_the_htp(tmp_path):
     """The decode-shaped MLP gate (one row, MatMul -> SiLU) on the HTP in fp16: the Tanh form's
-    error against fp32 is well below the Sigmoid form's (measured: the HTP fuses the latter)."""
+    error against fp32 is well below the Sigmoid form's, which the HTP fuses into a less precise kernel."""
     from qnnpasses.backends.htp import probe_placement
 
     rng = np.random.default_rng(0)
@@ -101,4 +101,4 @@ def test_one_token_mlp_gate_is_closer_to_fp32_on_the_htp(tmp_path):
             got = out["y"].astype(np.float64)
         errors[name] = np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2))
     assert errors["tanh"] < 1e-3  # fp16 rounding of the inputs, the weights and the result
-    assert errors["tanh"] < 0.75 * errors["sigmoid"], errors
+    assert errors["tanh"] < 0.5 * errors["sigmoid"], errors  # measured: 4.9e-4 against 3.3e-3

@@ -13,13 +13,18 @@ writes docs/fp16_ops.md and docs/fp16_ops.json.
    fp16 — the least any fp16 implementation must lose.  For MatMul also with an emulation of
    fp16 accumulation (the running sum rounded to fp16 after every product, in K order).
 
+4. with ``--graphs``: whole graphs of fp16 pairs, per layer — one decode call and one prefill
+   chunk at the same cache state, on the HTP against onnxruntime CPU fp32, with the residual
+   stream exposed after every block (:func:`graph_step_errors`).
+
 Errors are given relative to the output's RMS (``rel_rms``: RMS error / RMS of the fp32 output;
 ``rel_max``: max |error| / max |fp32 output|) and in fp16 ulps of the fp32 value (median, p99,
 max; the ulp floored at fp16's smallest normal).  ``vs_ideal``: the HTP's rel_rms over the
 ideal fp16 op's — near 1, the HTP computes as well as fp16 can; far above, precision is lost
 inside the op.
 
-    python tools/probe_fp16_ops.py [--pair DIR] [--layer 15] [--window-index 0] [--out docs/fp16_ops]
+    python tools/probe_fp16_ops.py [--pair DIR] [--layer 15] [--window-index 0] [--rows 16,1]
+                                   [--graphs LABEL=PAIR_DIR,...] [--known 8] [--out docs/fp16_ops]
 """
 
 from __future__ import annotations
@@ -361,6 +366,67 @@ def graph_step_errors(pair: Path, item: dict[str, Any], ref_tokens: list[int], k
     return out
 
 
+# --------------------------------------------------------------------------- fp16 storage on CPU
+
+
+def round_activations(model: onnx.ModelProto) -> int:
+    """Insert ``Cast(fp32 -> fp16 -> fp32)`` after every node's float32 output (graph outputs keep
+    their names): each op still computes in fp32, every tensor between ops is stored in fp16.
+    Returns the number of tensors rounded."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
+    outputs = {o.name for o in model.graph.output}
+    nodes, renamed, count = [], {}, 0
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+        nodes.append(node)
+        for j, name in enumerate(list(node.output)):
+            if types.get(name) != TensorProto.FLOAT:
+                continue
+            count += 1
+            half = f"{name}__fp16_{count}"
+            if name in outputs:
+                node.output[j] = f"{name}__fp32_{count}"
+                nodes += [helper.make_node("Cast", [node.output[j]], [half], to=TensorProto.FLOAT16),
+                          helper.make_node("Cast", [half], [name], to=TensorProto.FLOAT)]
+            else:
+                renamed[name] = f"{name}__rounded_{count}"
+                nodes += [helper.make_node("Cast", [name], [half], to=TensorProto.FLOAT16),
+                          helper.make_node("Cast", [half], [renamed[name]], to=TensorProto.FLOAT)]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return count
+
+
+def fp16_storage_run(pair: Path, work: Path, items: list[dict], refs: list[dict], ties: list[dict]) -> dict[str, Any]:
+    """The pair on onnxruntime CPU with its weights rounded to fp16 and every activation stored in
+    fp16 (:func:`round_activations`), ops computing in fp32 — an fp16 deployment with ideal ops —
+    scored as ``llm_eval`` scores the HTP pair (greedy, teacher-forced)."""
+    import shutil
+
+    manifest = json.loads((pair / "llm.json").read_text())
+    work.mkdir(parents=True, exist_ok=True)
+    rounded = 0
+    for graph in manifest["graphs"].values():
+        for part in graph["parts"]:
+            part.pop("compiled", None)
+            model = am.round_weights(onnx.load(str(pair / part["onnx"])))
+            rounded += round_activations(model)
+            onnx.save_model(model, str(work / part["onnx"]), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=part["onnx"] + ".data")
+    (work / "llm.json").write_text(json.dumps(manifest))
+    try:
+        run = le.pair_run(work, items, refs, "greedy", on="cpu")
+        le.divergences(run, items, refs, ties)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"rounded_tensors": rounded, "identical_leading": run["identical_leading"],
+            "identical_leading_mean": run["identical_leading_mean"], "top1": run["top1"], "positions": run["positions"],
+            "differs_at": [[{k: d[k] for k in ("token", "fp32_margin")} for d in row["differs_at"]] for row in run["prompts"]]}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -373,12 +439,12 @@ def render(doc: dict[str, Any]) -> str:
               "(`enable_htp_fp16_precision=1`). *rel RMS*: RMS error / RMS of the fp32 result. *ideal fp16*: inputs and "
               "weights rounded to fp16, exact arithmetic, result rounded to fp16 — what any fp16 op must lose. "
               "*× ideal*: the HTP's rel RMS over the ideal's. *fp16 accum.*: MatMul emulated with an fp16 running sum."),
-             "", "| probe | what | HTP rel RMS | ideal fp16 rel RMS | × ideal | fp16 accum. rel RMS | HTP ulps median / p99 / max |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "", "| probe | tokens | what | HTP rel RMS | ideal fp16 rel RMS | × ideal | fp16 accum. rel RMS | HTP ulps median / p99 / max |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
     for row in doc["probes"]:
         htp = row.get("htp")
         acc = row.get("fp16_accumulate")
-        lines.append(f"| {row['probe']} | {row['what']} | "
+        lines.append(f"| {row['probe']} | {row.get('tokens', '')} | {row['what']} | "
                      + (f"{htp['rel_rms']:.2e}" if htp else f"error: {row.get('error')}")
                      + f" | {row['ideal_fp16']['rel_rms']:.2e} | " + (f"{row['vs_ideal']:.1f}" if htp else "–")
                      + (f" | {acc['rel_rms']:.2e} |" if acc else " | – |")
@@ -400,6 +466,16 @@ def render(doc: dict[str, Any]) -> str:
                 picks = [r[i] if i < len(r) else None for i in (1, 2, 20, 40)] + [r[-1]]
                 lines.append(f"| {label} | {graph} | " + " | ".join("–" if v is None else f"{v:.1e}" for v in picks)
                              + f" | {res[graph]['logits_rel_rms']:.1e} | {'yes' if res[graph]['same_argmax'] else 'no'} |")
+    st = doc.get("storage")
+    if st:
+        flips = [f"prompt {i + 1}: token {d['token']} (fp32 margin {d['fp32_margin']})"
+                 for i, row in enumerate(st["differs_at"]) for d in row]
+        lines += ["", "## fp16 storage with ideal ops (onnxruntime CPU)", "",
+                  (f"The pair with its weights rounded to fp16 and all {st['rounded_tensors']} float tensors between ops "
+                   "stored in fp16 (Cast to fp16 and back after every op; every op computes in fp32), scored like the HTP "
+                   "pair by `tools/llm_eval.py` (same 4 prompts, greedy, teacher-forced): identical leading tokens "
+                   f"{st['identical_leading']} (mean {st['identical_leading_mean']:.2f}), top-1 {st['top1']:.4f} of "
+                   f"{st['positions']} positions. Where it differs: {'; '.join(flips) or 'nowhere'}.")]
     lines += ["", "## Rerun", "", "```sh", f"python tools/probe_fp16_ops.py {doc['command']}".rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -409,13 +485,13 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     worst = sorted((r for r in rows if r.get("htp")), key=lambda r: -r["vs_ideal"])
     if worst:
-        out.append("- Ops by how far the HTP is from an ideal fp16 op: "
-                   + ", ".join(f"{r['probe']} {r['vs_ideal']:.1f}×" for r in worst) + ".")
+        out.append("- Ops by how far the HTP is from an ideal fp16 op (tokens): "
+                   + ", ".join(f"{r['probe']} ({r.get('tokens')}) {r['vs_ideal']:.1f}×" for r in worst) + ".")
     for r in rows:
         acc, htp = r.get("fp16_accumulate"), r.get("htp")
         if acc and htp:
             near = abs(np.log(htp["rel_rms"] / acc["rel_rms"])) < abs(np.log(htp["rel_rms"] / r["ideal_fp16"]["rel_rms"]))
-            out.append(f"- {r['probe']}: the HTP's error ({htp['rel_rms']:.2e}) is closer to "
+            out.append(f"- {r['probe']} ({r.get('tokens')} tokens): the HTP's error ({htp['rel_rms']:.2e}) is closer to "
                        + ("an fp16 running sum's" if near else "an ideal fp16 op's")
                        + f" ({acc['rel_rms']:.2e} / {r['ideal_fp16']['rel_rms']:.2e}).")
     return out
@@ -428,9 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--window-index", type=int, default=0, help="which of llm_eval's 4 prompts' windows")
     parser.add_argument("--only", help="comma-separated probe names")
-    parser.add_argument("--rows", type=int, help="probe only the last ROWS tokens (1: the decode graph's shapes)")
+    parser.add_argument("--rows", default="16,1",
+                        help="token counts to probe, comma-separated (the last N tokens: 16 as in a prefill chunk, "
+                             "1 as in the decode graph)")
     parser.add_argument("--graphs", help="also compare whole graphs, per layer: LABEL=PAIR_DIR[,LABEL=PAIR_DIR...] "
                         "(fp16 pairs made by qnnpasses llm; one decode and one prefill call each)")
+    parser.add_argument("--storage", action="store_true",
+                        help="also run the pair on CPU with weights and every activation stored in fp16 (ideal fp16 ops)")
     parser.add_argument("--known", type=int, default=8, help="--graphs: the original's tokens already in the cache")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "fp16_ops")
     args = parser.parse_args(argv)
@@ -452,14 +532,14 @@ def main(argv: list[str] | None = None) -> int:
     item = le.prompts(4, 16, 32)[args.window_index]
     started = time.monotonic()
     acts, facts = capture(args.pair, args.layer, item["prompt"] + item["text"])
-    if args.rows:  # the decode graph's shapes: the last token(s) only
-        acts = {k: v[..., -args.rows:, :] for k, v in acts.items()}
-    probes = build_probes(acts, facts, set(args.only.split(",")) if args.only else None)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="probe_fp16_") as tmp:
-        for probe in probes:
-            rows.append(run_probe(probe, Path(tmp)))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "qnn_ops"}), flush=True)
+    for count in [int(c) for c in args.rows.split(",")]:  # the last COUNT tokens (1: the decode graph's shapes)
+        shaped = {k: v[..., -count:, :] for k, v in acts.items()}
+        probes = build_probes(shaped, facts, set(args.only.split(",")) if args.only else None)
+        with tempfile.TemporaryDirectory(prefix="probe_fp16_") as tmp:
+            for probe in probes:
+                rows.append({"tokens": count, **run_probe(probe, Path(tmp))})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "qnn_ops"}), flush=True)
     in_graph = {}
     if graphs:
         refs = json.loads((le.tf.DEFAULT_CACHE.parent / "llm_eval" / "kv_ts_reference.json").read_text())["value"]
@@ -468,12 +548,20 @@ def main(argv: list[str] | None = None) -> int:
                 in_graph[label] = graph_step_errors(folder, item, refs[args.window_index]["tokens"], args.known, Path(tmp))
             print(label, {g: (round(v["logits_rel_rms"], 5), v["same_argmax"]) for g, v in in_graph[label].items()
                           if isinstance(v, dict)}, flush=True)
+    storage = None
+    if args.storage:
+        eval_dir = le.tf.DEFAULT_CACHE.parent / "llm_eval"
+        items = le.prompts(4, 16, 32)
+        refs, ties = (json.loads((eval_dir / f"kv_ts_{k}.json").read_text())["value"] for k in ("reference", "ties"))
+        with tempfile.TemporaryDirectory(prefix="probe_fp16_storage_") as tmp:
+            storage = fp16_storage_run(args.pair, Path(tmp) / "pair", items, refs, ties)
+        print("storage", storage, flush=True)
     shown = [a for a in (argv if argv is not None else sys.argv[1:])]
     drop = {i for i, a in enumerate(shown) if a in ("--out", "--pair", "--graphs")}
     doc = {"command": " ".join(a for i, a in enumerate(shown) if i not in drop and i - 1 not in drop),
            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.monotonic() - started, 1),
            "layer": args.layer, "window": item["window"], "probes": rows, "findings": findings(rows),
-           "graphs": in_graph}
+           "graphs": in_graph, "storage": storage}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(render(doc))

@@ -11,7 +11,8 @@ original export:
    past length), ``simplify``, ``kv-new-outputs`` (outputs only the new K/V) and
    ``kv-split-concat`` (no Concat of the cache inside the graph), ``rotary-table`` (cos/sin rows
    for the N positions a cache of N slots can hold, gathered instead of computed: exact angles in fp16);
-2. the ``htp-llm`` pipeline;
+2. the ``htp-llm`` pipeline, then for fp16 pairs :data:`FP16_PIPELINE` (``silu-tanh``: a SiLU
+   the HTP computes closer to fp32 in fp16 mode);
 3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
    decode steps (the static graph with a padded cache must compute what the original computes
    with the unpadded one);
@@ -54,6 +55,11 @@ def static_cache_pipeline(context: int) -> str:
     of ``context`` slots never sees a larger position, and a table keeps the rotary angles exact in fp16."""
     return f"{STATIC_CACHE_PIPELINE},rotary-table{{positions={context}}}"
 
+
+#: After htp-llm, for fp16 pairs only: formulations the HTP computes closer to fp32 in fp16 mode
+#: (``silu-tanh``: its fused MatMul -> Sigmoid -> Mul of one-token graphs loses several times
+#: fp16's rounding; see tools/probe_fp16_ops.py).
+FP16_PIPELINE = "silu-tanh,cleanup"
 
 PRECISIONS = ("fp16", "w8a16", "w4a16")
 #: max abs of the static fp32 graphs vs the original on CPU (rounding-level rewrites only):
@@ -162,10 +168,16 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     else:
         htp_llm = get_pipeline("htp-llm")
     second = PassManager(htp_llm, RunConfig(verify=False, strict=True)).run(ir)
+    records = _records(first) + _records(second)
+    spec = htp_llm.to_text()
+    if not quantized:  # the fp16 graph's precision passes (a quantized graph runs in integer mode)
+        third = PassManager(parse_pipeline(FP16_PIPELINE), RunConfig(verify=False, strict=True)).run(ir)
+        records += _records(third)
+        spec = f"{spec},{FP16_PIPELINE}"
     # what ran, in textual form (quantization then knows htp-llm was applied)
     prefix = f"{lowerings}," if lowerings else ""
-    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{htp_llm.to_text()}"
-    return ir, {"passes": (lowered if lowerings else []) + _records(first) + _records(second)}
+    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{spec}"
+    return ir, {"passes": (lowered if lowerings else []) + records}
 
 
 def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
