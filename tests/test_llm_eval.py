@@ -98,3 +98,19 @@ def test_ceiling_table_sets_the_htp_pair_next_to_fp16_off_the_htp_and_says_what_
     assert "σ ≤ 0.013 (at most 0.108) in torch fp16, by σ ≤ 0.050 (at most 0.200) on the HTP;" in below
     assert "headroom" not in below and "stays below 30 of 32 too" in below
     assert le._ceiling_rows({"settings": {"new_tokens": 32}, "exports": {"kv_ts": {"runs": {}}}}) == []
+
+
+def test_ceiling_verdict_calls_flips_near_ties_when_the_htp_moves_margins_as_little_as_torch_fp16():
+    doc = _doc([32, 32])
+    doc["exports"]["kv_ts"]["runs"]["fp16:greedy"].update(margin_shift_std=0.0150, margin_shift_max=0.09,
+                                                          max_fp32_margin_where_differing=0.029)
+    text = "\n".join(le._ceiling_rows(doc))
+    assert ("the HTP pair moves fp32's top-2 margin about as much as torch fp16 does (σ 0.015 against 0.013): every "
+            "token it generates differently led in fp32 by at most 0.029, 2.2σ of torch fp16's own error") in text
+    assert "headroom" not in text
+    # a lead of over 3σ lost: not a near-tie
+    doc["exports"]["kv_ts"]["runs"]["fp16:greedy"].update(max_fp32_margin_where_differing=0.073)
+    assert "the HTP result has headroom" in "\n".join(le._ceiling_rows(doc))
+    # twice torch's spread: the pair computes less precisely, so the shortfall has headroom
+    doc["exports"]["kv_ts"]["runs"]["fp16:greedy"].update(margin_shift_std=0.0268, max_fp32_margin_where_differing=0.029)
+    assert "the HTP result has headroom" in "\n".join(le._ceiling_rows(doc))

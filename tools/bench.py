@@ -122,6 +122,34 @@ def profile(model: Path, out: Path, pipeline: str, top: int = 25) -> str:
     return text.getvalue()
 
 
+def pass_calls(model: Path, pipeline: str) -> dict[str, int]:
+    """Python function calls per pass name, in this process: each pass's work (its check,
+    snapshot and fingerprint included), which, unlike its seconds, neither load from other
+    processes nor the heap's size (per-call cost grows with it) changes.  A call into C
+    (onnx's checker and shape inference, numpy) counts once, whatever it does inside."""
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.passmanager.manager import Instrument, PassManager
+    from qnnpasses.passmanager.named import get_pipeline
+
+    class Calls(Instrument):
+        def __init__(self) -> None:
+            self.calls: dict[str, int] = {}
+            self.profiler = cProfile.Profile()
+
+        def before_pass(self, pass_, ir, record) -> None:
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+
+        def after_pass(self, pass_, ir, record) -> None:
+            self.profiler.disable()
+            total = pstats.Stats(self.profiler).total_calls
+            self.calls[pass_.name] = self.calls.get(pass_.name, 0) + total
+
+    counter = Calls()
+    PassManager(get_pipeline(pipeline), instruments=[counter]).run(load_model(model))
+    return counter.calls
+
+
 def fmt(entry: dict) -> str:
     return f"{entry['median']:.2f}" if entry["ok"] else f"failed ({entry['error'][:80]})"
 
@@ -179,7 +207,7 @@ def summary(peers: dict, depth: dict) -> dict:
     return out
 
 
-def render(peers: dict, depth: dict, nodes: dict, per_pass: dict, figures: dict) -> str:
+def render(peers: dict, depth: dict, nodes: dict, per_pass: dict, figures: dict, calls: dict | None = None) -> str:
     pipe = peers["qnnpasses"]
     lines = [f"{REFERENCE_LAYERS}-layer LLaMA ({nodes[REFERENCE_LAYERS]} nodes), median of {len(pipe['seconds'])} fresh runs, every tool's modules byte-compiled:",
              "", "| tool | wall s (median) | peak RSS | qnnpasses htp-llm / tool | CPU s (median) | CPU ratio |",
@@ -212,17 +240,33 @@ def render(peers: dict, depth: dict, nodes: dict, per_pass: dict, figures: dict)
                       f"wall {fmt_ratio(above['wall'])}, CPU {fmt_ratio(above['cpu'])}."]
     passes = sorted({p for n in layers for p in per_pass.get(n, {})}, key=lambda p: -per_pass.get(layers[-1], {}).get(p, 0.0))
     growth_nodes = nodes[layers[-1]] / nodes[layers[-2]] if len(layers) > 1 else 1.0
+    calls = calls or {}
+    call_growth = {name: calls[layers[-1]][name] / calls[layers[-2]][name] for name in passes
+                   if len(layers) > 1 and calls.get(layers[-2], {}).get(name) and calls.get(layers[-1], {}).get(name)}
     lines += ["", f"Seconds per pass (its graph check included; wall time, median of the `--report-dir` runs), growth from {layers[-2] if len(layers) > 1 else '-'} "
-                  f"to {layers[-1]} layers against the graph's {growth_nodes:.2f}x:", "",
-              "| pass (s) | " + " | ".join(f"{n} layers" for n in layers) + " | growth last/prev |",
-              "|---|" + "---:|" * (len(layers) + 1)]
+                  f"to {layers[-1]} layers against the graph's {growth_nodes:.2f}x, and the growth of its work (Python "
+                  "function calls, counted in-process by cProfile: load and the heap's size leave it alone):", "",
+              "| pass (s) | " + " | ".join(f"{n} layers" for n in layers) + " | time growth last/prev | calls growth |",
+              "|---|" + "---:|" * (len(layers) + 2)]
     for name in passes:
         cells = [per_pass.get(n, {}).get(name, 0.0) for n in layers]
         growth = f"{cells[-1] / cells[-2]:.1f}x" if len(cells) > 1 and cells[-2] > 0.005 else "-"
-        lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {growth} |")
+        work = f"{call_growth[name]:.2f}x" if name in call_growth else "-"
+        lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {growth} | {work} |")
     totals = [sum(per_pass.get(n, {}).values()) for n in layers]
+    total_calls = [sum(calls.get(n, {}).values()) for n in layers[-2:]] if len(layers) > 1 else []
     lines.append("| all passes | " + " | ".join(f"{t:.2f}" for t in totals) + " | "
-                 + (f"{totals[-1] / totals[-2]:.1f}x" if len(totals) > 1 and totals[-2] > 0 else "-") + " |")
+                 + (f"{totals[-1] / totals[-2]:.1f}x" if len(totals) > 1 and totals[-2] > 0 else "-") + " | "
+                 + (f"{total_calls[1] / total_calls[0]:.2f}x" if len(total_calls) == 2 and total_calls[0] else "-") + " |")
+    if call_growth:
+        worst = max(call_growth, key=call_growth.get)
+        slowest = max((n for n in passes if per_pass.get(layers[-2], {}).get(n, 0.0) > 0.005),
+                      key=lambda n: per_pass[layers[-1]].get(n, 0.0) / per_pass[layers[-2]][n], default=None)
+        lines += ["", f"Every pass linear (growth <= {TARGETS['growth']} for the graph's {growth_nodes:.2f}x): work "
+                      f"{verdict(call_growth[worst], TARGETS['growth'])}, at most {call_growth[worst]:.2f}x ({worst})"
+                  + (f"; time at most {per_pass[layers[-1]][slowest] / per_pass[layers[-2]][slowest]:.1f}x ({slowest}): "
+                     "with the work linear, the rest is each call's cost on a larger heap and the machine's load"
+                     if slowest else "") + "."]
     return "\n".join(lines)
 
 
@@ -272,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     per_pass = {n: timings[report_job[n]]["passes"] for n in layers if timings[report_job[n]]["passes"]}
     load_after = os.getloadavg()
     figures = summary(peers, depth) if "qnnpasses" in peers else {}
-    table = render(peers, depth, nodes, per_pass, figures)
+    # the work of every pass at the two deepest models, in this process
+    calls = {n: pass_calls(models[n], args.pipeline) for n in layers[-2:]} if len(layers) > 1 else {}
+    table = render(peers, depth, nodes, per_pass, figures, calls)
     table += (f"\n\nload average (1 min) before/after: {load_before[0]:.1f} / {load_after[0]:.1f} "
               f"on {os.cpu_count()} CPUs (other work was running: wall times are noisy, CPU times less so)")
     print(table)
@@ -282,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(table + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(
-        {"nodes": nodes, "peers": peers, "depth": depth, "per_pass": per_pass, "targets": figures,
+        {"nodes": nodes, "peers": peers, "depth": depth, "per_pass": per_pass, "pass_calls": calls, "targets": figures,
          "load_average": [load_before[0], load_after[0]], "cpus": os.cpu_count()}, indent=1) + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.json')}")
     return 0

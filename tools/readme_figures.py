@@ -275,6 +275,13 @@ def speed_bullet(path: Path) -> str:
                 f"`import onnx`, parsing and writing the file, as plain `onnx.load` + `onnx.save`); above it "
                 f"qnnpasses spends {above.group(2)} s and onnxslim {above.group(3)} s "
                 f"({above.group(4)}×)")
+    linear = re.search(r"^Every pass linear \(growth <= ([0-9.]+) for the graph's ([0-9.]+)x\): work (met|NOT met)[^,]*, "
+                       r"at most ([0-9.]+)x \(([\w-]+)\)(?:; time at most ([0-9.]+)x \(([\w-]+)\))?", text, re.MULTILINE)
+    if linear:
+        out += (f". Per pass, from {linear.group(2)}× the nodes: its work (Python function calls) grows at most "
+                f"{linear.group(4)}× ({linear.group(5)}; ≤ {linear.group(1)}: {linear.group(3)})")
+        if linear.group(6):
+            out += f", its wall time at most {linear.group(6)}× ({linear.group(7)})"
     return _wrap(out + ".", indent="  ")
 
 
