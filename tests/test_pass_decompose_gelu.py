@@ -91,3 +91,18 @@ def test_rejected_contrib_gelu_moves_to_the_htp(tmp_path, node):
     assert placement.ok and placement.qnn_partitions == 1 and placement.cpu_nodes == []
     # fp16 rounding: |y| up to 12 has a resolution of 2^-7; the native HTP Gelu is no closer
     assert np.abs(run_on_htp(fixed, X)["y"] - run_cpu(raw, X)["y"]).max() < 1e-2
+
+
+@requires_htp
+def test_exact_form_stays_right_on_the_htp_where_its_exp_argument_is_very_negative(tmp_path):
+    """|x| up to 30 puts exp(-x^2/2)'s argument down to -450, where the HTP's fp16 Exp returns
+    garbage unless floored (floored_exp): the decomposed BiasGelu must still be GeLU there."""
+    from qnnpasses.backends.htp import run_on_htp
+
+    wide = {"x": np.linspace(-30.0, 30.0, 1024, dtype=np.float32).reshape(1, 16, 64)}
+    raw = save_model(load_model(gelu_model("com.microsoft.BiasGelu(x, b)", opset=17, contrib=True)), tmp_path / "raw.onnx")
+    ir, _ = rewrite(raw, "decompose-gelu", inputs=wide)
+    got = run_on_htp(save_model(ir, tmp_path / "fixed.onnx"), wide)["y"].astype(np.float64)
+    want = run_cpu(raw, wide)["y"].astype(np.float64)
+    # a few fp16 roundings of |y| (|y| <= 30: resolution 2^-6) or of 1
+    assert np.all(np.abs(got - want) <= 4 * np.spacing(np.maximum(np.abs(want), 1.0).astype(np.float16)).astype(np.float64))

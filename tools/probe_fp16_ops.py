@@ -65,13 +65,23 @@ def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
 
 def find_tensors(model: onnx.ModelProto, layer: int) -> dict[str, Any]:
     """Names (and weights) of the op inputs probed, found by structure in the pair's prefill:
-    layer ``layer``'s input RMSNorm, attention Softmax, o_proj, MLP Sigmoid/SiLU and down_proj;
-    the final RMSNorm and the lm_head MatMul."""
+    layer ``layer``'s input RMSNorm, attention Softmax (or what softmax-exp made of it), o_proj, MLP SiLU gate (the input of its
+    Sigmoid, or of its ``h = 0.5 x`` where ``silu-tanh`` rewrote it) and down_proj; the final
+    RMSNorm and the lm_head MatMul."""
     inits = {i.name: i for i in model.graph.initializer}
     nodes = model.graph.node
     norms = [n for n in nodes if n.op_type == "RMSNormalization"]
-    softmaxes = [n for n in nodes if n.op_type == "Softmax"]
-    sigmoids = [n for n in nodes if n.op_type == "Sigmoid"]
+    producer = {out: n for n in nodes for out in n.output}
+    # a Softmax's input, or where softmax-exp spelled it out, x of Sub(x, ReduceMax(x))
+    softmaxes = [n.input[0] for n in nodes if n.op_type == "Softmax" or (
+        n.op_type == "Sub" and getattr(producer.get(n.input[1]), "op_type", "") == "ReduceMax"
+        and producer[n.input[1]].input[0] == n.input[0])]
+    gates = [n.input[0] for n in nodes if n.op_type == "Sigmoid"]
+    for tanh in (n for n in nodes if n.op_type == "Tanh"):  # silu-tanh's h = Mul(x, 0.5) -> Tanh(h)
+        half = producer.get(tanh.input[0])
+        if half is not None and half.op_type == "Mul":
+            gates += [name for name in half.input if name not in inits and producer.get(name) is not None
+                      and producer[name].op_type != "Constant"]
     mat = [n for n in nodes if n.op_type == "MatMul" and n.input[1] in inits]
 
     def by_dims(dims: list[int]) -> list[onnx.NodeProto]:
@@ -84,7 +94,7 @@ def find_tensors(model: onnx.ModelProto, layer: int) -> dict[str, Any]:
     down_proj = [n for n in mat if len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].dims[1] == hidden
                  and inits[n.input[1]].dims[0] > hidden][layer]
     head = mat[-1]
-    return {"norm": norms[2 * layer], "final_norm": norms[-1], "softmax": softmaxes[layer], "sigmoid": sigmoids[layer],
+    return {"norm": norms[2 * layer], "final_norm": norms[-1], "softmax": softmaxes[layer], "sigmoid": gates[layer],
             "o_proj": o_proj, "down_proj": down_proj, "lm_head": head, "inits": inits}
 
 
@@ -99,7 +109,7 @@ def capture(pair: Path, layer: int, prompt: list[int]) -> tuple[dict[str, np.nda
     found = find_tensors(model, layer)
     inits = found.pop("inits")
     names = {"norm_x": found["norm"].input[0], "final_norm_x": found["final_norm"].input[0],
-             "softmax_x": found["softmax"].input[0], "sigmoid_x": found["sigmoid"].input[0],
+             "softmax_x": found["softmax"], "sigmoid_x": found["sigmoid"],
              "o_proj_x": found["o_proj"].input[0], "down_proj_x": found["down_proj"].input[0],
              "lm_head_x": found["lm_head"].input[0]}
     session = ort.InferenceSession(am.with_extra_outputs(model, names.values()).SerializeToString(),
@@ -219,23 +229,12 @@ def build_probes(acts: dict[str, np.ndarray], facts: dict[str, Any], only: set[s
     add("softmax", f"Softmax over {s.shape[-1]} (scaled scores + finite mask)",
         [helper.make_node("Softmax", ["x"], ["y"], axis=-1)], {"x": s}, {},
         lambda: softmax(s), lambda: softmax(f16(s)))
-    # the same softmax decomposed: Exp(x - max) / ReduceSum
-    axes = np.asarray([-1], np.int64)
-    dec = [helper.make_node("ReduceMax", ["x", "axes"], ["m"], keepdims=1),
-           helper.make_node("Sub", ["x", "m"], ["d"]), helper.make_node("Exp", ["d"], ["e"]),
-           helper.make_node("ReduceSum", ["e", "axes"], ["t"], keepdims=1), helper.make_node("Div", ["e", "t"], ["y"])]
-    if not only or "softmax_decomposed" in only:
-        probes.append(Probe("softmax_decomposed", "Softmax as Exp(x - ReduceMax) / ReduceSum",
-                            _with_int_init(dec, {"x": s}, {"axes": axes}, opset, ir),
+    # the same softmax as the softmax-exp pass writes it (qnnpasses llm's fp16 pairs)
+    if not only or "softmax_exp" in only:
+        probes.append(Probe("softmax_exp", "Softmax as softmax-exp writes it: Exp(Max(x - ReduceMax, -64)) / ReduceSum",
+                            _rewritten(_model([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], {"x": s}, {}, ["y"],
+                                              opset, ir), "softmax-exp", {"x": s}),
                             {"x": s}, softmax(s), f16(softmax(f16(s)))))
-    recip = [helper.make_node("ReduceMax", ["x", "axes"], ["m"], keepdims=1),
-             helper.make_node("Sub", ["x", "m"], ["d"]), helper.make_node("Exp", ["d"], ["e"]),
-             helper.make_node("ReduceSum", ["e", "axes"], ["t"], keepdims=1), helper.make_node("Reciprocal", ["t"], ["r"]),
-             helper.make_node("Mul", ["e", "r"], ["y"])]
-    if not only or "softmax_reciprocal" in only:
-        probes.append(Probe("softmax_reciprocal", "Softmax as Exp(x - ReduceMax) * Reciprocal(ReduceSum)",
-                            _with_int_init(recip, {"x": s}, {"axes": axes}, opset, ir), {"x": s}, softmax(s),
-                            f16(softmax(f16(s)))))
     g = acts["sigmoid_x"]
     add("sigmoid", "Sigmoid on the MLP gate",
         [helper.make_node("Sigmoid", ["x"], ["y"])], {"x": g}, {}, lambda: sigmoid(g), lambda: sigmoid(f16(g)))
@@ -271,6 +270,7 @@ def build_probes(acts: dict[str, np.ndarray], facts: dict[str, Any], only: set[s
             {"x": x2}, {"scale": scale}, lambda x2=x2, s=scale, e=eps[key]: rmsnorm(x2, s, e),
             lambda x2=x2, s=scale, e=eps[key]: rmsnorm(f16(x2), f16(s), e))
     x, scale = acts["norm_x"].reshape(-1, acts["norm_x"].shape[-1]), w["norm_scale"]
+    axes = np.asarray([-1], np.int64)
     if not only or "rmsnorm_decomposed" in only:
         nodes = [helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
                  helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["r"]),
@@ -280,6 +280,18 @@ def build_probes(acts: dict[str, np.ndarray], facts: dict[str, Any], only: set[s
                                            {"scale": scale, "eps": np.asarray(eps["norm"], np.float32)}),
                             {"x": x}, rmsnorm(x, scale, eps["norm"]), f16(rmsnorm(f16(x), f16(scale), eps["norm"]))))
     return probes
+
+
+def _rewritten(model: onnx.ModelProto, pipeline: str, inputs: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` after ``pipeline`` (strict, verified on CPU on ``inputs``): what the pass emits."""
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import to_model_bytes
+    from qnnpasses.passmanager.manager import PassManager, RunConfig
+    from qnnpasses.passmanager.named import parse_pipeline
+
+    ir = load_model(model)
+    PassManager(parse_pipeline(pipeline), RunConfig(verify=True, strict=True, inputs=inputs)).run(ir)
+    return onnx.load_from_string(to_model_bytes(ir))
 
 
 def _with_int_init(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], ints: dict[str, np.ndarray], opset: int,
@@ -490,10 +502,13 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         acc, htp = r.get("fp16_accumulate"), r.get("htp")
         if acc and htp:
-            near = abs(np.log(htp["rel_rms"] / acc["rel_rms"])) < abs(np.log(htp["rel_rms"] / r["ideal_fp16"]["rel_rms"]))
-            out.append(f"- {r['probe']} ({r.get('tokens')} tokens): the HTP's error ({htp['rel_rms']:.2e}) is closer to "
-                       + ("an fp16 running sum's" if near else "an ideal fp16 op's")
-                       + f" ({acc['rel_rms']:.2e} / {r['ideal_fp16']['rel_rms']:.2e}).")
+            ideal = r["ideal_fp16"]["rel_rms"]
+            near = abs(np.log(htp["rel_rms"] / acc["rel_rms"])) < abs(np.log(htp["rel_rms"] / ideal))
+            out.append(f"- {r['probe']} ({r.get('tokens')} tokens): the HTP's error {htp['rel_rms']:.2e} is nearer "
+                       + (f"an fp16 running sum's {acc['rel_rms']:.2e} than an ideal fp16 op's {ideal:.2e}: it "
+                          "accumulates in fp16" if near else
+                          f"an ideal fp16 op's {ideal:.2e} than an fp16 running sum's {acc['rel_rms']:.2e}: it "
+                          "accumulates in more than fp16") + ".")
     return out
 
 

@@ -110,6 +110,21 @@ def const(ir: IRModel, ctx: PassContext, like: gs.Tensor, value: float, hint: st
     return make_constant(ir, ctx, hint, scalar_like(like.dtype, value))
 
 
+#: Least argument :func:`floored_exp` lets reach ``Exp``.  The HTP's fp16 ``Exp`` (onnxruntime-qnn
+#: 2.7.0's simulator) returns garbage, about +-1.3e5, for many arguments below about -87
+#: (-90, -100, -1000, -3e4; 0 at others), and 0 from there up to fp16's underflow near -17.
+#: ``exp(-64)`` = 1.6e-28 is below fp32's rounding of anything it is added to or scales next
+#: to a term of order 1, so flooring there changes no fp32 result beyond rounding.
+EXP_FLOOR = -64.0
+
+
+def floored_exp(ir: IRModel, ctx: PassContext, z: gs.Tensor, hint: str) -> gs.Tensor:
+    """``Exp(Max(z, EXP_FLOOR))``: for an ``Exp`` whose result only ever counts next to terms of
+    order 1 (a Softmax's row sum, erfc's tail), where a very negative ``z`` must give ~0."""
+    return unary(ir, ctx, "Exp", binary(ir, ctx, "Max", z, const(ir, ctx, z, EXP_FLOOR, f"{hint}_floor"),
+                                         f"{hint}_floored"), hint)
+
+
 def safe_normalize(ir: IRModel, ctx: PassContext, v: gs.Tensor, eps: float, axes: Sequence[int], hint: str) -> gs.Tensor:
     """``v / sqrt(mean(v^2) + eps)`` over ``axes``, with no intermediate outside fp16's range.
 

@@ -14,7 +14,9 @@ Matches ONNX ``Gelu`` (opset 20, both ``approximate`` values), ``com.microsoft.G
 with the QNN EP (fp16): ONNX ``Gelu`` and ``com.microsoft.Gelu`` run on the HTP;
 ``FastGelu`` and ``BiasGelu`` are rejected.  ``when=always`` decomposes every GeLU.
 Every intermediate stays in fp16 range: ``x*x*x`` overflowing gives Tanh(+-inf) = +-1,
-the exact result; ``exp(-z^2)`` underflows to 0 where ``q`` is below fp16 resolution.
+the exact result; ``exp(-z^2)`` underflows to 0 where ``q`` is below fp16 resolution, and its
+argument is floored (:func:`floored_exp`: the HTP's fp16 ``Exp`` is wrong far below that, i.e.
+for |x| above about 13), which moves ``|x|*q`` by under 1e-27 (it is ``|x|*P(t)*exp(-64)`` or less).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from qnnpasses.op_support.capability import htp_runs_gelu
-from qnnpasses.passes.norm._graph import Replacements, binary, const, unary
+from qnnpasses.passes.norm._graph import Replacements, binary, const, floored_exp, unary
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, GELU_FUSED, Pass, PassContext, PassResult, register_pass
@@ -94,5 +96,5 @@ def _exact_gelu(ir: IRModel, ctx: PassContext, x):
         poly = binary(ir, ctx, "Add", binary(ir, ctx, "Mul", poly, t, "gelu_horner"), const(ir, ctx, x, coeff, "gelu_a"), "gelu_horner")
     poly = binary(ir, ctx, "Mul", poly, t, "gelu_poly")
     neg_half_sq = binary(ir, ctx, "Mul", binary(ir, ctx, "Mul", a, a, "gelu_sq"), const(ir, ctx, x, -0.5, "gelu_mhalf"), "gelu_mz2")
-    q = binary(ir, ctx, "Mul", poly, unary(ir, ctx, "Exp", neg_half_sq, "gelu_exp"), "gelu_q")
+    q = binary(ir, ctx, "Mul", poly, floored_exp(ir, ctx, neg_half_sq, "gelu_exp"), "gelu_q")
     return binary(ir, ctx, "Sub", unary(ir, ctx, "Relu", x, "gelu_relu"), binary(ir, ctx, "Mul", a, q, "gelu_aq"), "gelu")
