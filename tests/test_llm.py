@@ -125,6 +125,23 @@ def test_graphs_run_on_the_htp_as_one_partition(name, graph_name, built, tmp_pat
     assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999
 
 
+def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
+    """fp16 pairs get FP16_PIPELINE after htp-llm: no Softmax or Sigmoid left, each spelled out
+    (one floored Exp per layer's attention, one Tanh per layer's SiLU); the spec records it."""
+    from collections import Counter
+
+    from qnnpasses.llm.convert import FP16_PIPELINE
+
+    manifest = built("llama_gqa_kv_dyn_ts")
+    layers = manifest["layers"]
+    for graph_name in manifest["graphs"]:
+        proto = onnx.load(str(part_paths(manifest, graph_name, compiled=False)[0]))
+        ops = Counter(n.op_type for n in proto.graph.node)
+        assert (ops["Softmax"], ops["Sigmoid"], ops["Exp"], ops["Tanh"]) == (0, 0, layers, layers), ops
+        spec = {p.key: p.value for p in proto.metadata_props}["qnnpasses.passmanager.spec"]
+        assert spec.endswith(f",{FP16_PIPELINE}")
+
+
 @requires_htp
 def test_decode_composes_no_more_qnn_ops_than_prefill(built):
     manifest = built("llama_gqa_kv_dyn_ts")
@@ -237,6 +254,8 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
     manifest = built("llama_gqa_kv_dyn_ts", precision="w8a16", calib=str(calib), compile=False, probe=HTP)
     assert manifest["precision"] == "w8a16"
     prefill, decode = (part_paths(manifest, g, compiled=False)[0] for g in ("prefill", "decode"))
+    # integer mode: the fp16 formulations are not applied (the Softmax runs on quantized scores)
+    assert sum(n.op_type == "Softmax" for n in onnx.load(str(decode)).graph.node) == manifest["layers"]
     roles = manifest["graphs"]["decode"]["roles"]
     for new, past in zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]):
         written = _boundary_qparams(prefill, new, "DequantizeLinear")  # what prefill writes into the cache

@@ -314,10 +314,14 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
     """``qnnpasses llm`` (or the folder of an earlier run with ``reuse``): manifest + report.
 
     An earlier quantized pair is reused only when it was made by the current quantization
-    recipe (:data:`qnnpasses.llm.quantize.RECIPE`) and, when ``compile``, is compiled."""
+    recipe (:data:`qnnpasses.llm.quantize.RECIPE`), an fp16 pair only when its graphs end with
+    the current :data:`qnnpasses.llm.convert.FP16_PIPELINE`, and, when ``compile``, either only
+    when it is compiled."""
+    import onnx
+
     import qnnpasses.passes  # noqa: F401 - registers the passes
 
-    from qnnpasses.llm.convert import build
+    from qnnpasses.llm.convert import FP16_PIPELINE, build
     from qnnpasses.llm.manifest import load_manifest
     from qnnpasses.llm.quantize import RECIPE
 
@@ -330,6 +334,10 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
         report = json.loads((out / "report.json").read_text())
         if precision != "fp16":
             fresh = fresh and (report.get("quantization") or {}).get("recipe") == RECIPE
+        else:
+            first = onnx.load(str(out / old["graphs"]["prefill"]["parts"][0]["onnx"]), load_external_data=False)
+            spec = {p.key: p.value for p in first.metadata_props}.get("qnnpasses.passmanager.spec", "")
+            fresh = fresh and spec.endswith(f",{FP16_PIPELINE}")
         if compile:
             fresh = fresh and all(p.get("compiled") for g in old["graphs"].values() for p in g["parts"])
     if not fresh:

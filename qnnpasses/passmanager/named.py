@@ -121,4 +121,13 @@ register_pipeline(
     htp_llm_text({"mha-to-gqa": "attention-cleanup"}),
     "htp-llm plus the lossy MHA->GQA conversion (needs --allow-lossy): halves the KV cache.",
 )
+#: For graphs the HTP runs in fp16 mode (not integer mode): SiLU and Softmax in the forms it
+#: computes closer to fp32 (``tools/probe_fp16_ops.py``), at a few more ops each.
+HTP_FP16_FORMS = ("silu-tanh", "softmax-exp")
+register_pipeline(
+    "htp-llm-fp16",
+    f"{htp_llm_text()},{','.join(HTP_FP16_FORMS)},cleanup",
+    "htp-llm, then SiLU and Softmax in the forms the HTP computes closer to fp32 in fp16 mode "
+    "(a few more ops; not for integer mode).",
+)
 register_pipeline("cleanup", "cleanup", "Dead-code removal and topological sort only.")
