@@ -114,3 +114,18 @@ def test_ceiling_verdict_calls_flips_near_ties_when_the_htp_moves_margins_as_lit
     # twice torch's spread: the pair computes less precisely, so the shortfall has headroom
     doc["exports"]["kv_ts"]["runs"]["fp16:greedy"].update(margin_shift_std=0.0268, max_fp32_margin_where_differing=0.029)
     assert "the HTP result has headroom" in "\n".join(le._ceiling_rows(doc))
+
+
+def test_fp16_ties_sentence_counts_margins_below_fp16_resolution():
+    def differs(margin: float) -> dict:
+        return {"fp32_top1": 14.8, "fp16_spacing": 0.0078125, "fp32_margin": margin}
+
+    greedy = {"prompts": [{"positions": 47, "agree": 46, "differs_at": [differs(0.0014)]},
+                          {"positions": 47, "agree": 46, "differs_at": [differs(0.03)]}]}
+    quantized = {"prompts": [{"positions": 47, "agree": 40, "differs_at": [differs(0.8)]}]}
+    doc = {"exports": {"kv_ts": {"runs": {"fp16:greedy": greedy, "w8a16:greedy": quantized}}}}
+    text = le._fp16_ties(doc)
+    # the quantized run's margins are not fp16 near-ties: only the fp16 pair's count
+    assert "every such margin is within 3.8 of those spacings, and 1 of 2 below half of one" in text
+    assert "The largest of these margins is 0.030" in text
+    assert le._fp16_ties({"exports": {"kv_ts": {"runs": {"w8a16:greedy": quantized}}}}) == ""

@@ -447,6 +447,32 @@ def _ceiling_rows(doc: dict[str, Any]) -> list[str]:
                         "the original's tokens.")]
 
 
+def _fp16_ties(doc: dict[str, Any]) -> str:
+    """What the fp32 margins say where an fp16 pair's greedy token differs from the original's."""
+    fp16 = [r for res in doc["exports"].values() for key, r in res["runs"].items() if key == "fp16:greedy"]
+    differing = [d for r in fp16 for row in r.get("prompts", []) for d in row.get("differs_at", [])]
+    if not differing:
+        return ""
+    top = [abs(d["fp32_top1"]) for d in differing]
+    gap = [d["fp16_spacing"] for d in differing]
+    spacings = max(d["fp32_margin"] / d["fp16_spacing"] for d in differing)
+    below = sum(d["fp32_margin"] < d["fp16_spacing"] / 2 for d in differing)
+    text = ("Where the fp16 pair's greedy token differs from the original's, the table gives the original's own "
+            f"fp32 margin between its top two logits there. Its top logit is {min(top):.1f}–{max(top):.1f} at those "
+            f"positions, where consecutive fp16 values are {min(gap):.4f}–{max(gap):.4f} apart: every such margin "
+            f"is within {spacings:.1f} of those spacings")
+    if below:
+        text += (f", and {below} of {len(differing)} below half of one: there the two logits can round to the same "
+                 "fp16 value, so no computation that ends in fp16 logits can be relied on to order them")
+    text += (". After such a near-tie the two continuations differ, and every later token counts as not identical.")
+    located = all(sum(row["positions"] - row["agree"] for row in r["prompts"]) == len(
+        [d for row in r["prompts"] for d in row.get("differs_at", [])]) for r in fp16)
+    if located:
+        text += (f" The largest of these margins is {max(d['fp32_margin'] for d in differing):.3f}: at every "
+                 "position where the original's top choice leads by more, the fp16 pair's argmax is the same.")
+    return text
+
+
 def _ceiling_verdict(torch16: list[dict], htp: list[dict], turned: list[float], target: int, new_tokens: int) -> str:
     """What the off-HTP runs say about the pair's identical leading tokens.
 
@@ -593,24 +619,7 @@ def render(doc: dict[str, Any]) -> str:
                f"teacher-forced top-1 ≥ {_pct(TARGETS['fp16_teacher_forced_top1'])} in fp16; teacher-forced top-1 ≥ "
                f"{_pct(TARGETS['w8a16_teacher_forced_top1'])} and perplexity within "
                f"{round(100 * (TARGETS['w8a16_perplexity_ratio'] - 1))}% of fp32 in w8a16.")
-    differing = [d for res in doc["exports"].values() for r in res["runs"].values()
-                 for row in r.get("prompts", []) for d in row.get("differs_at", [])]
-    ties = ""
-    if differing:
-        top = [abs(d["fp32_top1"]) for d in differing]
-        gap = [d["fp16_spacing"] for d in differing]
-        ties = ("Where the pair's greedy token differs from the original's, the table gives the original's own fp32 "
-                f"margin between its top two logits there. Its top logit is {min(top):.1f}–{max(top):.1f} at those "
-                f"positions, where consecutive fp16 values are {min(gap):.4f}–{max(gap):.4f} apart: a margin of a "
-                "few hundredths is within a few fp16 roundings of that one logit, before 30 layers of fp16 "
-                "arithmetic. After such a near-tie the two continuations differ, and every later token counts as "
-                "not identical.")
-        located = all(sum(row["positions"] - row["agree"] for row in r["prompts"]) == len(
-            [d for row in r["prompts"] for d in row.get("differs_at", [])])
-            for res in doc["exports"].values() for k, r in res["runs"].items() if k.endswith(":greedy"))
-        if located:
-            ties += (f" The largest of these margins is {max(d['fp32_margin'] for d in differing):.3f}: at every "
-                     "position where the original's top choice leads by more, the pair's argmax is the same.")
+    ties = _fp16_ties(doc)
     ceilings = _ceiling_rows(doc)
     speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
              "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
