@@ -25,3 +25,22 @@ def run_strictly(source, spec: str, inputs=None, calibration=None) -> tuple:
 
 def op_counts(ir) -> Counter:
     return Counter(n.op for n in ir.graph.nodes)
+
+
+def htp_fp16_errors(irs: dict, inputs: dict, want, tmp_path, output: str = "y") -> dict:
+    """Each model in ``irs`` (name -> IR) on the HTP in fp16 mode, entirely (CPU fallback
+    disabled): its ``output``'s RMS error against ``want`` over ``want``'s RMS."""
+    import numpy as np
+
+    from qnnpasses.backends.htp import probe_placement
+    from qnnpasses.ir.model import save_model
+
+    errors = {}
+    for name, ir in irs.items():
+        path = save_model(ir, tmp_path / f"{name}.onnx")
+        placement = probe_placement(path, inputs=inputs, optimize=False, keep_dir=tmp_path / name)
+        assert placement.ok and placement.cpu_nodes == [], (name, placement)
+        with np.load(tmp_path / name / "outputs.npz") as out:
+            got = out[output].astype(np.float64)
+        errors[name] = float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(np.asarray(want) ** 2)))
+    return errors

@@ -6,11 +6,10 @@ import numpy as np
 import onnx.parser
 import pytest
 from conftest import requires_htp
-from pass_testing import op_counts, run_strictly
+from pass_testing import htp_fp16_errors, op_counts, run_strictly
 
 from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import save_model
 
 RNG = np.random.default_rng(0)
 SCORES = (RNG.standard_normal((1, 4, 16, 64)) * 4.0).astype(np.float32)
@@ -106,20 +105,11 @@ def test_attention_softmax_is_closer_to_fp32_on_the_htp(tmp_path):
     in fp16: the spelled-out Softmax's error against fp32 is well below the native op's.  The
     masks put Exp's argument where the HTP's fp16 Exp is wrong (it returns about +-1.3e5 at
     -100, -1000 and -3e4, 0 at -1e4): the floor at -64 is what keeps those rows right."""
-    from qnnpasses.backends.htp import probe_placement
-
     x = SCORES.copy()
     for head, mask in enumerate((-3.0e4, -1.0e4, -1000.0, -100.0)):  # finite additive masks
         x[:, head, :, 40:] += mask
-    want = softmax(x)
-    errors = {}
     src = model("y = Softmax <axis = -1> (x)")
-    for name, ir in (("native", load_model(src)), ("spelled", run_strictly(src, "softmax-exp", inputs={"x": x})[0])):
-        path = save_model(ir, tmp_path / f"{name}.onnx")
-        placement = probe_placement(path, inputs={"x": x}, optimize=False, keep_dir=tmp_path / name)
-        assert placement.ok and placement.cpu_nodes == []
-        with np.load(tmp_path / name / "outputs.npz") as out:
-            got = out["y"].astype(np.float64)
-        errors[name] = np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2))
+    irs = {"native": load_model(src), "spelled": run_strictly(src, "softmax-exp", inputs={"x": x})[0]}
+    errors = htp_fp16_errors(irs, {"x": x}, softmax(x), tmp_path)
     assert errors["spelled"] < 1e-3, errors  # fp16 rounding of the scores and the result
     assert errors["spelled"] < 0.6 * errors["native"], errors
