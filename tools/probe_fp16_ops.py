@@ -289,6 +289,11 @@ def _rewritten(model: onnx.ModelProto, pipeline: str, inputs: dict[str, np.ndarr
     from qnnpasses.passmanager.manager import PassManager, RunConfig
     from qnnpasses.passmanager.named import parse_pipeline
 
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    inferred = {v.name: v for v in model.graph.value_info}
+    for output in model.graph.output:  # the loader wants typed, shaped outputs
+        if output.name in inferred:
+            output.CopyFrom(inferred[output.name])
     ir = load_model(model)
     PassManager(parse_pipeline(pipeline), RunConfig(verify=True, strict=True, inputs=inputs)).run(ir)
     return onnx.load_from_string(to_model_bytes(ir))
@@ -444,7 +449,7 @@ def fp16_storage_run(pair: Path, work: Path, items: list[dict], refs: list[dict]
 
 def render(doc: dict[str, Any]) -> str:
     lines = ["# fp16 accuracy of single ops on the HTP", "",
-             f"Written by `python tools/probe_fp16_ops.py {doc['command']}`".rstrip() + f" ({doc['finished']}); every figure is "
+             f"Written by `{('python tools/probe_fp16_ops.py ' + doc['command']).strip()}` ({doc['finished']}); every figure is "
              "in `docs/fp16_ops.json`.", "",
              (f"Inputs are SmolLM2-135M's own activations (the fp16 pair's prefill on onnxruntime CPU in fp32, layer "
               f"{doc['layer']} and the head, held-out window {doc['window']}). Each op runs alone on the HTP in fp16 mode "
