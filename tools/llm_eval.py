@@ -809,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": command.strip(),
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": round(time.monotonic() - started, 1),
+        # rendered from the results earlier runs stored (their pairs' build seconds from their reports)
+        "render_only": bool(args.render_only),
         "host": {"machine": platform.machine(), "python": platform.python_version()},
         "settings": {**{k: getattr(args, k) for k in ("context", "prefill", "prompt_tokens", "new_tokens")},
                      "prompts": counts},
