@@ -25,7 +25,7 @@ graph runs its Softmax on quantized inputs, where this does not apply).
 from __future__ import annotations
 
 import numpy as np
-from qnnpasses.passes.norm._graph import binary, floored_exp, make_reduce, rank
+from qnnpasses.passes.norm._graph import EXP_FLOOR, binary, floored_exp, make_reduce, rank
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
@@ -57,7 +57,8 @@ def softmax_axis(node, opset: int) -> tuple[int | None, str]:
 @register_pass
 class SoftmaxExp(Pass):
     name = "softmax-exp"
-    summary = "Softmax(x) => Exp(Max(x - ReduceMax(x), -64)) / ReduceSum(...): the fp16-precise Softmax on the HTP"
+    summary = (f"Softmax(x) => Exp(Max(x - ReduceMax(x), {EXP_FLOOR:g})) / ReduceSum(...): "
+               "the fp16-precise Softmax on the HTP")
     contract = EXACT
     requires = frozenset()
     ensures = frozenset()
