@@ -134,7 +134,7 @@ def pass_calls(model: Path, pipeline: str) -> dict[str, int]:
     class Calls(Instrument):
         def __init__(self) -> None:
             self.calls: dict[str, int] = {}
-            self.profiler = cProfile.Profile()
+            self.profiler: cProfile.Profile | None = None
 
         def before_pass(self, pass_, ir, record) -> None:
             self.profiler = cProfile.Profile()

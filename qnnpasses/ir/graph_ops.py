@@ -2,8 +2,8 @@
 
 graphsurgeon's own ``Graph.copy``/``toposort``/``cleanup`` walk the graph through
 helpers that rebuild name maps and synchronized lists per node; on a 7,000-node LLM
-they dominate a pipeline run (the pass manager copies for rollback, and most passes
-end with a cleanup and a sort).  These functions compute the same result in one walk:
+they dominate a pipeline run (most passes end with a cleanup and a sort, and
+``IRModel.copy`` copies whole graphs).  These functions compute the same result in one walk:
 
 * :func:`toposort` gives exactly graphsurgeon's order (nodes sorted by depth, ties in
   graphsurgeon's depth-first discovery order), so passes see the same graph as before;

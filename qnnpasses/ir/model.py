@@ -202,13 +202,9 @@ class IRModel:
         """Export to a ``ModelProto`` whose large constants are stubs; returns the sources too."""
         return export_with_stubs(self)
 
-    def restore(self, snapshot: "IRModel") -> None:
-        """Make this model what ``snapshot`` (a :meth:`copy`) was: the rollback of a pass."""
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(snapshot, name))
-
     def copy(self) -> "IRModel":
-        """A structural copy for rollback; constant arrays are shared, never mutated in place."""
+        """A structural copy (to rewrite without touching this one: compare's bisection, pass
+        probes); constant arrays are shared, never mutated in place."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
         graph = copy_graph(self.graph)
         # graphsurgeon's copy shares the opset-import objects: a pass that raises an
