@@ -37,11 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.kvcache._contract import changes_interface
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.ir.kv_roles import embedding_indices, feeds_rotary, index_input, rotary_gathers
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
 from qnnpasses.passmanager.rewrite import emit, finish
 
 _FLOAT_KINDS = "f"

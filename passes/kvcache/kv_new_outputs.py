@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.kvcache._contract import changes_interface
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.api import Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
 from qnnpasses.passmanager.rewrite import finish, producer
 
 

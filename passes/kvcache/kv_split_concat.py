@@ -25,10 +25,10 @@ from collections import deque
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.kvcache._contract import EXACT
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
+    EXACT,
     STATIC_SHAPES,
     Pass,
     PassContext,

@@ -1,8 +1,7 @@
 """Graph helpers shared by the normalization / GeLU / fp16-safety passes.
 
 Generic enough for ``qnnpasses.passmanager.rewrite`` (candidates to move there): reading Reduce*
-axes whichever way the opset spells them, building reductions the same way, walking
-through no-op Casts, and the fp16-safe normalization builder that both ``fp16-safety``
+axes whichever way the opset spells them, walking through no-op Casts, and the fp16-safe normalization builder that both ``fp16-safety``
 and ``decompose-layernorm`` emit.
 """
 
@@ -20,12 +19,10 @@ from qnnpasses.passmanager.rewrite import (
     constant_value,
     make_constant,
     make_node,
+    make_reduce,
     replace_all_uses,
     single_consumer,
 )
-
-#: Opset from which Reduce* take ``axes`` as an input (ReduceSum: 13).
-REDUCE_AXES_INPUT_OPSET = 18
 
 #: Lower clamp of the per-row scale in :func:`safe_normalize`.  Keeps ``1/sqrt(m)`` <= 32
 #: and ``eps/m`` <= 1024*eps, both comfortably inside fp16.
@@ -60,16 +57,6 @@ def reduces_last_axis(node: gs.Node) -> bool:
         return False
     r = rank(node.inputs[0])
     return axes[0] == -1 or (r is not None and axes[0] == r - 1)
-
-
-def make_reduce(ir: IRModel, ctx: PassContext, op: str, x: gs.Tensor, axes: Sequence[int], hint: str) -> gs.Tensor:
-    """``op(x)`` over ``axes`` with keepdims, spelled for the model's opset."""
-    if ir.opset >= (13 if op == "ReduceSum" else REDUCE_AXES_INPUT_OPSET):
-        axes_t = make_constant(ir, ctx, f"{hint}_axes", np.asarray(list(axes), dtype=np.int64))
-        node = make_node(ir, ctx, op, [x, axes_t], name_hint=hint, attrs={"keepdims": 1}, dtype=x.dtype)
-    else:
-        node = make_node(ir, ctx, op, [x], name_hint=hint, attrs={"axes": list(axes), "keepdims": 1}, dtype=x.dtype)
-    return node.outputs[0]
 
 
 def cast_target(node: gs.Node) -> np.dtype | None:

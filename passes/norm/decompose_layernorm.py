@@ -26,7 +26,6 @@ from qnnpasses.op_support.capability import htp_runs_norm
 from qnnpasses.passes.norm._graph import (
     Replacements,
     binary,
-    make_reduce,
     plain_normalize,
     rank,
     safe_normalize,
@@ -34,7 +33,7 @@ from qnnpasses.passes.norm._graph import (
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, NORMS_FINAL, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, make_node
+from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, make_node, make_reduce
 
 
 @register_pass

@@ -25,11 +25,11 @@ graph runs its Softmax on quantized inputs, where this does not apply).
 from __future__ import annotations
 
 import numpy as np
-from qnnpasses.passes.norm._graph import EXP_FLOOR, binary, floored_exp, make_reduce, rank
+from qnnpasses.passes.norm._graph import EXP_FLOOR, binary, floored_exp, rank
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import finish, replace_all_uses
+from qnnpasses.passmanager.rewrite import finish, make_reduce, replace_all_uses
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))
 

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.norm._graph import make_reduce, reduce_axes
+from qnnpasses.passes.norm._graph import reduce_axes
 from qnnpasses.passes.norm._match import squared_operand
 
 from qnnpasses.ir.model import IRModel
@@ -48,6 +48,7 @@ from qnnpasses.passmanager.rewrite import (
     finish,
     make_constant,
     make_node,
+    make_reduce,
     other_input,
     producer,
     replace_all_uses,

@@ -225,6 +225,20 @@ def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor
     return node
 
 
+#: Opset from which Reduce* take ``axes`` as an input (ReduceSum: 13).
+REDUCE_AXES_INPUT_OPSET = 18
+
+
+def make_reduce(ir: IRModel, ctx: PassContext, op: str, x: gs.Tensor, axes: Sequence[int], hint: str) -> gs.Tensor:
+    """``op(x)`` over ``axes`` with keepdims, spelled for the model's opset."""
+    if ir.opset >= (13 if op == "ReduceSum" else REDUCE_AXES_INPUT_OPSET):
+        axes_t = make_constant(ir, ctx, f"{hint}_axes", np.asarray(list(axes), dtype=np.int64))
+        node = make_node(ir, ctx, op, [x, axes_t], name_hint=hint, attrs={"keepdims": 1}, dtype=x.dtype)
+    else:
+        node = make_node(ir, ctx, op, [x], name_hint=hint, attrs={"axes": list(axes), "keepdims": 1}, dtype=x.dtype)
+    return node.outputs[0]
+
+
 def drop_nodes(graph: gs.Graph, nodes: Iterable[gs.Node]) -> None:
     """Disconnect nodes so that ``graph.cleanup()`` removes them (call it at the end of the pass)."""
     for node in nodes:
