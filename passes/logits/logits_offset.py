@@ -1,0 +1,168 @@
+"""logits-offset: ``logits = x @ W`` => ``logits - m`` and an output ``m``, the row's maximum,
+subtracted inside the MatMul's accumulator.
+
+Matches: a float32 graph output computed by ``MatMul(x, W)`` -- ``W`` a constant float32 ``[K, V]``,
+``x`` of static shape ``[..., K]`` -- through shape-only ops that keep the last axis (Reshape,
+Squeeze, Unsqueeze, Flatten, Identity), each read by nothing else: a language model's lm_head.
+float32 only: the HTP runs such a graph in fp16 with the offset inside the accumulator, while
+in a graph that is fp16 itself the rewrite would also change the original's own rounding of the
+logits on every backend (finer, but no longer the same function to float rounding).  The
+``output`` option names the output to rewrite; by default every output that matches.
+
+Produces, with ``W' = [W; 1]`` (one row of ones appended, ``[K + 1, V]``, replacing ``W`` when
+nothing else reads it)::
+
+    y1 = MatMul(Concat(x, 0), W')            # x @ W: the logits, as before
+    m  = ReduceMax(y1, last axis, keepdims)
+    y2 = MatMul(Concat(x, -m), W')           # x @ W - m, the row's max subtracted before rounding
+    <output>        = shape-only ops(y2)     # the logits relative to m: the top ones near 0
+    <output>_offset = Reshape(m)             # [..., 1]: logits = <output> + <output>_offset
+
+Why it is safe: ``[x, -m] @ [W; 1] = x @ W - m`` exactly, so ``<output> + <output>_offset`` is
+the original logits up to float rounding, and ``<output>`` alone differs from them by one
+constant per row: argmax, softmax, log-softmax and sampling read it unchanged.  A runner that
+needs the absolute logits adds the offset in float32.  It changes the interface on purpose
+(one output more, one output shifted); verification maps the original outputs accordingly.
+
+Why: in fp16 the HTP's MatMul accumulates finer than fp16 but rounds its output to fp16, whose
+spacing at a logit of 16..32 is 0.0156: a margin of a few thousandths between the two most
+likely tokens is below what the rounded logits resolve.  Subtracting the row's maximum inside the
+accumulation puts the logits that decide the next token near 0, where fp16 resolves far finer.
+``tests/test_pass_logits_offset.py`` measures it on the HTP in fp16: the logits within 4 of their
+row's maximum come out well over 10x closer to fp32.
+
+Cost: a second lm_head MatMul (and ReduceMax, Neg, two Concats, a Reshape) per call, the weight
+stored once.  Preparing the graph on the HTP takes longer (onnxruntime-qnn 2.7.0's simulator
+spends tens of seconds more on SmolLM2-135M's graphs; with two copies of the weight it would not,
+but the lm_head would be stored twice): that happens once, when the context is compiled.
+``qnnpasses llm`` applies the pass to fp16 pairs only (a quantized pair's logits have 16-bit
+steps set by calibration instead); ``--plain-logits`` turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.ir.model import IRModel
+from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
+from qnnpasses.passmanager.rewrite import (
+    constant_value,
+    emit,
+    emit_reshape,
+    finish,
+    make_constant,
+    make_reduce,
+    producer,
+    static_shape,
+)
+
+FLOAT32 = np.dtype(np.float32)
+#: Ops between the MatMul and the output that move no value across the last axis.
+_SHAPE_ONLY = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+
+
+def offset_name(output: str) -> str:
+    return f"{output}_offset"
+
+
+def lm_head(graph: gs.Graph, output: gs.Tensor) -> tuple[gs.Node | None, str]:
+    """The ``MatMul(x, W)`` that computes ``output`` through shape-only ops, or None and why not."""
+    shape = static_shape(output)
+    if shape is None or not shape:
+        return None, "output shape not static"
+    tensor, seen = output, 0
+    while (node := producer(tensor)) is not None and node.op in _SHAPE_ONLY:
+        if seen and len(tensor.outputs) != 1:
+            return None, "an intermediate of the output is read elsewhere"
+        tensor, seen = node.inputs[0], seen + 1
+    if node is None or node.op != "MatMul":
+        return None, "not computed by a MatMul"
+    if seen and len(tensor.outputs) != 1:
+        return None, "the MatMul's output is read elsewhere"
+    weight = constant_value(node.inputs[1])
+    x_shape = static_shape(node.inputs[0])
+    if weight is None or weight.ndim != 2 or np.dtype(weight.dtype) != FLOAT32:
+        return None, "MatMul weight not a constant float32 matrix"
+    if x_shape is None or len(x_shape) < 1 or x_shape[-1] != weight.shape[0]:
+        return None, "MatMul input shape not static"
+    if shape[-1] != weight.shape[1] or static_shape(node.outputs[0]) is None \
+            or static_shape(node.outputs[0])[-1] != shape[-1]:
+        return None, "the shape-only ops change the last axis"
+    return node, ""
+
+
+@register_pass
+class LogitsOffset(Pass):
+    name = "logits-offset"
+    summary = "lm_head logits -> logits minus the row max (subtracted inside the MatMul) + an offset output"
+    lossless = False  # the outputs change on purpose
+    contract = changes_interface("the logits become relative to their row's maximum, given as <output>_offset")
+
+    @dataclass
+    class Options:
+        output: str = ""  # the output to rewrite; "" = every output computed by an lm_head MatMul
+
+    def __init__(self, options=None, **values):
+        super().__init__(options, **values)
+        self._rewritten: dict[str, str] = {}  # output -> its offset output, for map_reference
+
+    def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
+        graph, self._rewritten = ir.graph, {}
+        taken = {t.name for t in graph.outputs}
+        notes = []
+        for output in list(graph.outputs):
+            if self.options.output and output.name != self.options.output:
+                continue
+            if output.dtype is None or np.dtype(output.dtype) != FLOAT32:
+                if self.options.output == output.name:
+                    notes.append(f"{output.name} kept: not float32")
+                continue
+            node, why = lm_head(graph, output)
+            if node is None or offset_name(output.name) in taken:
+                if self.options.output:
+                    notes.append(f"{output.name} kept: {why or 'its offset output name is taken'}")
+                continue
+            offset = self._rewrite(ir, ctx, node, output)
+            graph.outputs.append(offset)
+            taken.add(offset.name)
+            self._rewritten[output.name] = offset.name
+            notes.append(f"{output.name} relative to its row max, offset in {offset.name}")
+        if self.options.output and self.options.output not in {t.name for t in graph.outputs}:
+            notes.append(f"no output named {self.options.output}")
+        if not self._rewritten:
+            return PassResult(changed=False, notes=notes)
+        finish(ir)
+        return PassResult(changed=True, stats={"outputs": len(self._rewritten)}, notes=notes)
+
+    @staticmethod
+    def _rewrite(ir: IRModel, ctx: PassContext, node: gs.Node, output: gs.Tensor) -> gs.Tensor:
+        x, w_tensor, y = node.inputs[0], node.inputs[1], node.outputs[0]
+        w = constant_value(w_tensor)
+        augmented = make_constant(ir, ctx, f"{w_tensor.name}_with_ones",
+                                  np.concatenate([w, np.ones((1, w.shape[1]), w.dtype)], axis=0))
+        x_shape, y_shape = static_shape(x), static_shape(y)
+        column = (*x_shape[:-1], 1)
+        wide = (*x_shape[:-1], x_shape[-1] + 1)
+        zeros = make_constant(ir, ctx, "logits_zero_column", np.zeros(column, dtype=x.dtype))
+        plain = emit(ir, ctx, "Concat", [x, zeros], hint="logits_input", dtype=x.dtype, shape=wide, attrs={"axis": -1})
+        first = emit(ir, ctx, "MatMul", [plain, augmented], hint="logits_first", dtype=y.dtype, shape=y_shape)
+        row_max = make_reduce(ir, ctx, "ReduceMax", first, [-1], "logits_row_max")
+        row_max.shape = list(column)
+        negated = emit(ir, ctx, "Neg", [row_max], hint="logits_neg_max", dtype=x.dtype, shape=column)
+        shifted_in = emit(ir, ctx, "Concat", [x, negated], hint="logits_shifted_input", dtype=x.dtype, shape=wide,
+                          attrs={"axis": -1})
+        node.inputs[0], node.inputs[1] = shifted_in, augmented  # y = x @ W - m, still feeding the output
+        offset = emit_reshape(ir, ctx, row_max, [*static_shape(output)[:-1], 1], hint="logits_offset")
+        offset.name = offset_name(output.name)
+        return offset
+
+    def map_reference(self, reference: dict, inputs: dict) -> dict:
+        mapped = dict(reference)
+        for name, offset in self._rewritten.items():
+            logits = np.asarray(reference[name])
+            row_max = logits.max(axis=-1, keepdims=True)
+            mapped[name], mapped[offset] = logits - row_max, row_max
+        return mapped
