@@ -74,7 +74,8 @@ def test_cache_is_outside_the_graph_and_outputs_are_new_kv_only(name, built):
         past = set(roles["past_key"] + roles["past_value"])
         assert not [n.name for n in proto.graph.node if n.op_type == "Concat" and past & set(n.input)]
         outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in proto.graph.output}
-        assert set(outputs) == {roles["logits"], *roles["new_key"], *roles["new_value"]}
+        assert set(outputs) == {roles["logits"], roles["logits_offset"], *roles["new_key"], *roles["new_value"]}
+        assert outputs[roles["logits_offset"]] == [1, graph["tokens"], 1]
         for new in roles["new_key"] + roles["new_value"]:
             assert outputs[new] == [1, heads, graph["tokens"], dim]
         for name_ in past:
@@ -127,10 +128,11 @@ def test_graphs_run_on_the_htp_as_one_partition(name, graph_name, built, tmp_pat
 
 def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
     """fp16 pairs get FP16_PIPELINE after htp-llm: no Softmax or Sigmoid left, each spelled out
-    (one floored Exp per layer's attention, one Tanh per layer's SiLU); the spec records it."""
+    (one floored Exp per layer's attention, one Tanh per layer's SiLU), then logits-offset on the
+    logits (two lm_head MatMuls, the offset output named by the manifest); the spec records it."""
     from collections import Counter
 
-    from qnnpasses.llm.convert import FP16_PIPELINE
+    from qnnpasses.llm.convert import FP16_PIPELINE, LOGITS_OFFSET
 
     manifest = built("llama_gqa_kv_dyn_ts")
     layers = manifest["layers"]
@@ -139,7 +141,10 @@ def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
         ops = Counter(n.op_type for n in proto.graph.node)
         assert (ops["Softmax"], ops["Sigmoid"], ops["Exp"], ops["Tanh"]) == (0, 0, layers, layers), ops
         spec = {p.key: p.value for p in proto.metadata_props}["qnnpasses.passmanager.spec"]
-        assert spec.endswith(f",{FP16_PIPELINE}")
+        assert spec.endswith(f",{FP16_PIPELINE},{LOGITS_OFFSET}{{output=logits}}")
+        roles = manifest["graphs"][graph_name]["roles"]
+        assert roles["logits_offset"] == "logits_offset"
+        assert [o.name for o in proto.graph.output].count("logits_offset") == 1
 
 
 @requires_htp
@@ -257,6 +262,7 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
     # integer mode: the fp16 formulations are not applied (the Softmax runs on quantized scores)
     assert sum(n.op_type == "Softmax" for n in onnx.load(str(decode)).graph.node) == manifest["layers"]
     roles = manifest["graphs"]["decode"]["roles"]
+    assert roles["logits_offset"] is None  # quantized logits: 16-bit steps set by calibration, not fp16's
     for new, past in zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]):
         written = _boundary_qparams(prefill, new, "DequantizeLinear")  # what prefill writes into the cache
         read = _boundary_qparams(decode, past, "QuantizeLinear")       # what decode reads from it
@@ -269,6 +275,29 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
         for graph_name in ("prefill", "decode"):
             part = report["htp"][graph_name]["parts"][0]
             assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), part
+
+
+def test_plain_logits_pair_has_no_offset_and_the_same_absolute_logits(built):
+    """``--plain-logits``: one lm_head MatMul, no offset output; the default pair's logits plus
+    its offset are the plain pair's logits (CPU, float32 rounding) and every row's largest
+    shifted logit is 0."""
+    from qnnpasses.llm.manifest import absolute_logits
+
+    offset = built("llama_gqa_kv_dyn_ts")
+    plain = built("llama_gqa_kv_dyn_ts", logits_offset=False, compile=False, probe=False)
+    rng = np.random.default_rng(5)
+    for graph_name in ("prefill", "decode"):
+        graph, plain_graph = offset["graphs"][graph_name], plain["graphs"][graph_name]
+        assert plain_graph["roles"]["logits_offset"] is None
+        proto = onnx.load(str(part_paths(plain, graph_name, compiled=False)[0]))
+        assert [o.name for o in proto.graph.output].count("logits_offset") == 0
+        cache = {n: rng.standard_normal((1, offset["kv_heads"], CONTEXT, offset["head_dim"])).astype(np.float32)
+                 for n in graph["roles"]["past_key"] + graph["roles"]["past_value"]}
+        feed = static_feed(graph, list(range(5, 5 + graph["tokens"])), 7, cache)
+        got = PartsRunner(offset["dir"], graph)(feed)
+        want = PartsRunner(plain["dir"], plain_graph)(feed)["logits"]
+        np.testing.assert_allclose(absolute_logits(got, graph["roles"]), want, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got["logits"].max(-1), 0, atol=1e-6)
 
 
 def test_max_part_bytes_budget_gives_parts_within_it(built):

@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     split.add_argument("--parts", type=_positive_int, metavar="K", help="split each graph into K consecutive parts")
     split.add_argument("--max-part-bytes", type=_positive_int, metavar="B", help="split each graph into parts of at most B bytes")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
+    p.add_argument("--plain-logits", dest="logits_offset", action="store_false",
+                   help="fp16: output the logits as they are, not relative to their row's maximum with a "
+                        "logits_offset output (saves the second lm_head MatMul, loses the top logits' resolution)")
     add_format_arg(p)
     p.set_defaults(func=main)
 
@@ -47,7 +50,8 @@ def main(args) -> int:
         raise BadInputError("llm needs --out-dir DIR (the folder to write the prefill + decode pair into)")
 
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
-                     calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile)
+                     calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile,
+                     logits_offset=args.logits_offset)
     if args.format == "json":
         print(json.dumps(manifest, indent=2))
         return 0

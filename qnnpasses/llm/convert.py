@@ -12,7 +12,10 @@ original export:
    ``kv-split-concat`` (no Concat of the cache inside the graph), ``rotary-table`` (cos/sin rows
    for the N positions a cache of N slots can hold, gathered instead of computed: exact angles in fp16);
 2. the ``htp-llm`` pipeline, then for fp16 pairs :data:`FP16_PIPELINE` (``silu-tanh``,
-   ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in fp16 mode);
+   ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in fp16 mode) and
+   ``logits-offset`` on the logits output (unless ``logits_offset`` is off: the logits relative
+   to their row's maximum, subtracted before the lm_head's fp16 rounding, plus that maximum as
+   ``<logits>_offset``; the manifest's ``logits_offset`` role names it);
 3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
    decode steps (the static graph with a padded cache must compute what the original computes
    with the unpadded one);
@@ -43,9 +46,10 @@ from qnnpasses.ir.kv_roles import Roles, find_roles
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
+from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS, get_pipeline
-from qnnpasses.passmanager.spec import parse_pipeline
+from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 
 STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,kv-new-outputs,kv-split-concat"
 
@@ -62,7 +66,19 @@ def static_cache_pipeline(context: int) -> str:
 #: form 1-1.5x; see tools/probe_fp16_ops.py, docs/fp16_ops.md).
 FP16_PIPELINE = f"{','.join(HTP_FP16_FORMS)},cleanup"
 
+#: The pass that keeps fp16 logits at fine resolution near the top (fp16 pairs, after FP16_PIPELINE).
+LOGITS_OFFSET = "logits-offset"
+
 PRECISIONS = ("fp16", "w8a16", "w4a16")
+
+
+def fp16_passes(logits: str, logits_offset: bool = True) -> Pipeline:
+    """What an fp16 pair gets after htp-llm: :data:`FP16_PIPELINE`, then (with ``logits_offset``)
+    ``logits-offset`` on the output named ``logits``."""
+    pipeline = parse_pipeline(FP16_PIPELINE)
+    if logits_offset:
+        pipeline.items.append(get_pass(LOGITS_OFFSET)(output=logits))
+    return pipeline
 #: max abs of the static fp32 graphs vs the original on CPU (rounding-level rewrites only):
 #: CPU_TOLERANCE + CPU_RTOL x the largest reference magnitude of that output (trained models'
 #: logits and keys reach tens to hundreds, where float32 rounding alone exceeds 1e-4)
@@ -84,6 +100,7 @@ class LlmOptions:
     try_shared: bool = True
     verify_tokens: int = 8
     probe: bool = True
+    logits_offset: bool = True
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -150,8 +167,9 @@ def export_roles(ir: IRModel) -> Roles:
 
 
 def static_graph(model: Path, roles: Roles, tokens: int, past: int,
-                 quantized: bool = False) -> tuple[IRModel, dict[str, Any]]:
-    """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied.
+                 quantized: bool = False, logits_offset: bool = True) -> tuple[IRModel, dict[str, Any]]:
+    """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied
+    (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits).
 
     ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (``layout{head_proj=false}``): the
     Q/K/V projections stay 2-D, so each gets per-output-channel weight scales; head-major 4-D
@@ -172,9 +190,10 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     records = _records(first) + _records(second)
     spec = htp_llm.to_text()
     if not quantized:  # the fp16 graph's precision passes (a quantized graph runs in integer mode)
-        third = PassManager(parse_pipeline(FP16_PIPELINE), RunConfig(verify=False, strict=True)).run(ir)
+        fp16 = fp16_passes(roles.logits, logits_offset)
+        third = PassManager(fp16, RunConfig(verify=False, strict=True)).run(ir)
         records += _records(third)
-        spec = f"{spec},{FP16_PIPELINE}"
+        spec = f"{spec},{fp16.to_text()}"
     # what ran, in textual form (quantization then knows htp-llm was applied)
     prefix = f"{lowerings}," if lowerings else ""
     ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{spec}"
@@ -192,6 +211,9 @@ def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
               "past_key": roles.past_key, "past_value": roles.past_value, "logits": roles.logits,
               "new_key": [new_output_name(n, "present", "new") for n in roles.present_key],
               "new_value": [new_output_name(n, "present", "new") for n in roles.present_value]}
+    from qnnpasses.passes.logits.logits_offset import offset_name
+
+    result["logits_offset"] = offset_name(roles.logits) if offset_name(roles.logits) in outputs else None
     missing_in = [n for n in [roles.input_ids, roles.attention_mask, *roles.past_key, *roles.past_value] if n not in inputs]
     missing_out = [n for n in [roles.logits, *result["new_key"], *result["new_value"]] if n not in outputs]
     if missing_in or missing_out:
@@ -222,13 +244,14 @@ def _source_roles(roles: Roles) -> dict[str, Any]:
 
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
-          compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True) -> dict[str, Any]:
+          compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
+          logits_offset: bool = True) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
-                         probe)
+                         probe, logits_offset)
     model, out_dir = Path(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
@@ -296,7 +319,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     report: dict[str, Any] = {"source": model.name, "context": N, "prefill": M, "graphs": {}}
     irs = {}
     for name, (tokens, past) in spec.items():
-        ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16")
+        ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
+                                 logits_offset=options.logits_offset)
         irs[name] = ir
         graph_role = graph_roles(ir, roles)
         path = save_model(ir, stage / f"{name}.onnx")

@@ -13,6 +13,7 @@ with :func:`load_manifest`.  Schema ``qnnpasses-llm/1``::
                      "inputs": [...], "outputs": [...]}],
           "roles": {"input_ids": name, "attention_mask": name, "position_ids": name or null,
                     "past_key": [per layer], "past_value": [...], "logits": name,
+                    "logits_offset": name or null,
                     "new_key": [...], "new_value": [...]},
           "io": {name: {"dtype": "int32|int64|float32|float16", "shape": [..]}}},
        "decode": {... "tokens": 1, "past": N - 1 ...}}}
@@ -27,7 +28,11 @@ Semantics of one call of a graph with ``tokens`` = S and ``past`` = P:
 * ``past_key[i]`` / ``past_value[i]`` ``[1, H, P, D]`` (layout ``BHSD``): cache slots 0..P-1;
 * ``new_key[i]`` / ``new_value[i]`` ``[1, H, S, D]``: K/V of the new tokens only; the runner
   writes them at slots valid_len... of its cache itself;
-* ``logits`` ``[1, S, V]``.
+* ``logits`` ``[1, S, V]``; when the role ``logits_offset`` names an output (fp16 pairs, by
+  default), ``logits`` holds each row's logits minus that row's ``logits_offset`` ``[1, S, 1]``
+  (``logits-offset``: the top logits at fp16's fine resolution near 0).  Argmax, softmax and
+  sampling read ``logits`` as it is; the absolute logits are ``logits + logits_offset``
+  (:func:`absolute_logits`).  A pair without it has ``logits_offset`` null or absent.
 
 Additions beyond the agreed schema (readers may ignore them): ``source_roles`` -- the roles
 in the original export (``input_ids``, ``attention_mask``, ``position_ids`` or null,
@@ -88,6 +93,16 @@ def validate_manifest(data: dict[str, Any]) -> dict[str, Any]:
         if not graph["parts"]:
             raise ManifestError(f"graph {name!r} has no parts")
     return data
+
+
+def absolute_logits(outputs: dict[str, Any], roles: dict[str, Any]) -> Any:
+    """A graph call's logits as float32, with the ``logits_offset`` output added back when the
+    graph has one (see the module docstring)."""
+    import numpy as np
+
+    logits = np.asarray(outputs[roles["logits"]], dtype=np.float32)
+    offset = roles.get("logits_offset")
+    return logits + np.asarray(outputs[offset], dtype=np.float32) if offset else logits
 
 
 def write_manifest(out_dir: str | Path, data: dict[str, Any]) -> Path:

@@ -92,6 +92,11 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
              (f"context {manifest['context']}, prefill {manifest['prefill']}, {manifest['layers']} layers, "
               f"{manifest['kv_heads']} KV heads x {manifest['head_dim']}, vocab {manifest['vocab']}, "
               f"precision {manifest['precision']}, weight sharing: {manifest['weight_sharing']}"), ""]
+    offset = manifest["graphs"]["decode"]["roles"].get("logits_offset")
+    if offset:
+        lines += [(f"`{manifest['graphs']['decode']['roles']['logits']}` holds each row's logits minus its maximum, "
+                   f"computed inside the lm_head's accumulation (logits-offset); `{offset}` holds that maximum: "
+                   "argmax, softmax and sampling read the logits as they are, the absolute logits are their sum."), ""]
     verification = report.get("verification") or {}
     if verification:
         lines.append(f"CPU check vs the original export ({verification['prompt_tokens']} prompt tokens in chunks, "

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from qnnpasses.llm.manifest import ManifestError, load_manifest
+from qnnpasses.llm.manifest import ManifestError, absolute_logits, load_manifest
 
 DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
 PAD_TOKEN = 0
@@ -219,7 +219,7 @@ class Runner:
             for role, cache in (("new_key", self.keys), ("new_value", self.values)):
                 cache[i][:, :, v : v + count] = out[roles[role][i]][:, :, :count]
         self.valid_len = v + count
-        return np.asarray(out[roles["logits"]][0, :count], dtype=np.float32)
+        return absolute_logits(out, roles)[0, :count]
 
     def feed(self, ids: list[int]) -> tuple[np.ndarray, int]:
         """Append ``ids`` to the cache: prefill chunks while they fit, then decode steps.

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from qnnpasses.llm.manifest import absolute_logits
+
 _NP = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
 
 
@@ -74,10 +76,10 @@ def _call(runner, reference, ref_outputs, manifest, graph, chunk, valid, cache, 
     roles = graph["roles"]
     got = runner(static_feed(graph, chunk, valid, cache))
     ref = dict(zip(ref_outputs, reference.run(ref_outputs, _reference_feed(reference, roles, chunk, valid, cache, source))))
-    count = len(chunk)
-    worst["top1_agree"] += int(np.sum(np.argmax(got[roles["logits"]][0, :count], -1) == np.argmax(ref[source["logits"]][0], -1)))
+    count, logits = len(chunk), absolute_logits(got, roles)
+    worst["top1_agree"] += int(np.sum(np.argmax(logits[0, :count], -1) == np.argmax(ref[source["logits"]][0], -1)))
     worst["positions"] += count
-    worst["logits"] = max(worst["logits"], float(np.abs(got[roles["logits"]][:, :count] - ref[source["logits"]]).max()))
+    worst["logits"] = max(worst["logits"], float(np.abs(logits[:, :count] - ref[source["logits"]]).max()))
     worst["logits_scale"] = max(worst["logits_scale"], float(np.abs(ref[source["logits"]]).max()))
     for kind in ("key", "value"):
         for layer, (past, new) in enumerate(zip(roles[f"past_{kind}"], roles[f"new_{kind}"])):
