@@ -129,3 +129,11 @@ def test_fp16_ties_sentence_counts_margins_below_fp16_resolution():
     assert "every such margin is within 3.8 of those spacings, and 1 of 2 below half of one" in text
     assert "The largest of these margins is 0.030" in text
     assert le._fp16_ties({"exports": {"kv_ts": {"runs": {"w8a16:greedy": quantized}}}}) == ""
+    # a pair with logits-offset resolves the margin near 0: the activations' error is what flips it
+    greedy["margin_shift_std"] = 0.007
+    doc["exports"]["kv_ts"]["builds"] = {"fp16": {"logits_offset": True}}
+    text = le._fp16_ties(doc)
+    assert "below half of one" not in text
+    assert ("resolves the runner-up of such a margin to 2e-05 or finer: what flips it is the fp16 error the "
+            "activations accumulate before the lm_head, which moves fp32's top-2 margin by σ 0.007: the "
+            "largest margin lost is 4.3σ") in text

@@ -315,13 +315,13 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
 
     An earlier quantized pair is reused only when it was made by the current quantization
     recipe (:data:`qnnpasses.llm.quantize.RECIPE`), an fp16 pair only when its graphs end with
-    the current :data:`qnnpasses.llm.convert.FP16_PIPELINE`, and, when ``compile``, either only
+    the current :func:`qnnpasses.llm.convert.fp16_passes`, and, when ``compile``, either only
     when it is compiled."""
     import onnx
 
     import qnnpasses.passes  # noqa: F401 - registers the passes
 
-    from qnnpasses.llm.convert import FP16_PIPELINE, build
+    from qnnpasses.llm.convert import build, fp16_passes
     from qnnpasses.llm.manifest import load_manifest
     from qnnpasses.llm.quantize import RECIPE
 
@@ -337,7 +337,7 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
         else:
             first = onnx.load(str(out / old["graphs"]["prefill"]["parts"][0]["onnx"]), load_external_data=False)
             spec = {p.key: p.value for p in first.metadata_props}.get("qnnpasses.passmanager.spec", "")
-            fresh = fresh and spec.endswith(f",{FP16_PIPELINE}")
+            fresh = fresh and spec.endswith("," + fp16_passes(old["source_roles"]["logits"]).to_text())
         if compile:
             fresh = fresh and all(p.get("compiled") for g in old["graphs"].values() for p in g["parts"])
     if not fresh:
@@ -457,11 +457,22 @@ def _fp16_ties(doc: dict[str, Any]) -> str:
     gap = [d["fp16_spacing"] for d in differing]
     spacings = max(d["fp32_margin"] / d["fp16_spacing"] for d in differing)
     below = sum(d["fp32_margin"] < d["fp16_spacing"] / 2 for d in differing)
+    shifted = [res.get("builds", {}).get("fp16", {}).get("logits_offset") for res in doc["exports"].values()
+               if "fp16:greedy" in res["runs"]]
     text = ("Where the fp16 pair's greedy token differs from the original's, the table gives the original's own "
             f"fp32 margin between its top two logits there. Its top logit is {min(top):.1f}–{max(top):.1f} at those "
             f"positions, where consecutive fp16 values are {min(gap):.4f}–{max(gap):.4f} apart: every such margin "
             f"is within {spacings:.1f} of those spacings")
-    if below:
+    if shifted and all(shifted):
+        sigma = max(r["margin_shift_std"] for r in fp16 if "margin_shift_std" in r) if all(
+            "margin_shift_std" in r for r in fp16) else None
+        text += (". The pair's logits come out relative to their row's maximum (`logits-offset`), where fp16 "
+                 f"resolves the runner-up of such a margin to {max(float(np.spacing(np.float16(d['fp32_margin']))) for d in differing):.1g} "
+                 "or finer: what flips it is the fp16 error the activations accumulate before the lm_head")
+        if sigma is not None:
+            text += (f", which moves fp32's top-2 margin by σ {sigma:.3f}: the largest margin lost is "
+                     f"{max(d['fp32_margin'] for d in differing) / sigma:.1f}σ")
+    elif below:
         text += (f", and {below} of {len(differing)} below half of one: there the two logits can round to the same "
                  "fp16 value, so no computation that ends in fp16 logits can be relied on to order them")
     text += (". After such a near-tie the two continuations differ, and every later token counts as not identical.")
@@ -703,7 +714,8 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             res["runs"][f"{precision}:{RUNS[precision][0]}"] = {"error": error}
             continue
         res["builds"][precision] = {"build_seconds": built["build_seconds"],
-                                    "weight_sharing": built["manifest"]["weight_sharing"]}
+                                    "weight_sharing": built["manifest"]["weight_sharing"],
+                                    "logits_offset": bool(built["manifest"]["graphs"]["decode"]["roles"].get("logits_offset"))}
         if built["report"].get("quantization"):
             q = built["report"]["quantization"]
             with np.load(tf.DEFAULT_CACHE / f"{MODEL}.calib.npz") as calib:
