@@ -106,11 +106,16 @@ def test_a_weight_read_elsewhere_stays_for_its_other_reader():
     ("transpose", "not computed by a MatMul"),
     ("dynamic", "output shape not static"),
     ("name", "no output named missing"),
+    ("taken", "its offset output name is taken"),
 ])
 def test_what_does_not_match_is_left_with_a_reason(case, note):
     proto, x = lm_head_model(transpose_out=case == "transpose")
     if case == "dynamic":
         proto.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "tokens"
+    if case == "taken":  # an internal tensor already has the offset output's name
+        for node in proto.graph.node:
+            node.input[:] = ["logits_offset" if n == "x2d" else n for n in node.input]
+            node.output[:] = ["logits_offset" if n == "x2d" else n for n in node.output]
     spec = "logits-offset{output=missing}" if case == "name" else "logits-offset{output=logits}"
     ir = load_model(proto)
     record = PassManager(parse_pipeline(spec), RunConfig(verify=False, strict=True)).run(ir).records[-1]

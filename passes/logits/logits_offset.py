@@ -111,7 +111,7 @@ class LogitsOffset(Pass):
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         graph, self._rewritten = ir.graph, {}
-        taken = {t.name for t in graph.outputs}
+        taken = set(graph.tensors())  # every tensor name: the offset output's must be new
         notes = []
         for output in list(graph.outputs):
             if self.options.output and output.name != self.options.output:
