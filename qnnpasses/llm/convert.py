@@ -79,6 +79,8 @@ def fp16_passes(logits: str, logits_offset: bool = True) -> Pipeline:
     if logits_offset:
         pipeline.items.append(get_pass(LOGITS_OFFSET)(output=logits))
     return pipeline
+
+
 #: max abs of the static fp32 graphs vs the original on CPU (rounding-level rewrites only):
 #: CPU_TOLERANCE + CPU_RTOL x the largest reference magnitude of that output (trained models'
 #: logits and keys reach tens to hundreds, where float32 rounding alone exceeds 1e-4)
