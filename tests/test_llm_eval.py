@@ -98,6 +98,13 @@ def test_ceiling_table_sets_the_htp_pair_next_to_fp16_off_the_htp_and_says_what_
     assert "σ ≤ 0.013 (at most 0.108) in torch fp16, by σ ≤ 0.050 (at most 0.200) on the HTP;" in below
     assert "headroom" not in below and "stays below 30 of 32 too" in below
     assert le._ceiling_rows({"settings": {"new_tokens": 32}, "exports": {"kv_ts": {"runs": {}}}}) == []
+    # the HTP pair at the target: no shortfall to explain
+    doc = _doc([32, 32])
+    doc["exports"]["kv_ts"]["runs"]["fp16:greedy"] = _greedy([32, 32], margin_shift_std=0.0101, margin_shift_max=0.04)
+    reached = "\n".join(le._ceiling_rows(doc))
+    assert ("the HTP pair reaches ≥ 30 of 32 on these prompts too, moving fp32's top-2 margin less than torch fp16 "
+            "does (σ 0.010 against 0.013).") in reached
+    assert "headroom" not in reached and "shortfall" not in reached
 
 
 def test_ceiling_verdict_calls_flips_near_ties_when_the_htp_moves_margins_as_little_as_torch_fp16():

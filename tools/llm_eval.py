@@ -487,17 +487,24 @@ def _fp16_ties(doc: dict[str, Any]) -> str:
 def _ceiling_verdict(torch16: list[dict], htp: list[dict], turned: list[float], target: int, new_tokens: int) -> str:
     """What the off-HTP runs say about the pair's identical leading tokens.
 
-    Torch fp16 below the target: fp16 as torch does it falls short too.  At or above it, the
+    The HTP pair at or above the target: it says so, and how its margin shift compares with
+    torch fp16's.  Otherwise, torch fp16 below the target: fp16 as torch does it falls short too.  At or above it, the
     HTP pair has headroom unless it already moves fp32's top-2 margin no more than torch fp16
     does (σ within 25%) and each token it generates differently is a near-tie, where fp32's lead
     was at most 3σ of torch fp16's own error: which near-ties flip is then down to where the
     roundings fall rather than to a less precise computation.
     """
     reached = [r["identical_leading_mean"] for r in torch16]
-    if not reached or min(reached) < target:
-        return f"so on these prompts fp16 arithmetic as torch does it stays below {target} of {new_tokens} too"
     stds = {name: max(r["margin_shift_std"] for r in runs) for name, runs in (("torch", torch16), ("htp", htp))
             if runs and all("margin_shift_std" in r for r in runs)}
+    if htp and min(r["identical_leading_mean"] for r in htp) >= target:
+        text = f"the HTP pair reaches ≥ {target} of {new_tokens} on these prompts too"
+        if len(stds) == 2:
+            text += (f", moving fp32's top-2 margin {'less than' if stds['htp'] < stds['torch'] else 'as much as'} "
+                     f"torch fp16 does (σ {stds['htp']:.3f} against {stds['torch']:.3f})")
+        return text
+    if not reached or min(reached) < target:
+        return f"so on these prompts fp16 arithmetic as torch does it stays below {target} of {new_tokens} too"
     if len(stds) == 2 and stds["htp"] <= 1.25 * stds["torch"] and turned and max(turned) <= 3 * stds["torch"]:
         return (f"torch fp16 reaches ≥ {target} of {new_tokens} on these prompts, and the HTP pair moves fp32's top-2 "
                 f"margin about as much as torch fp16 does (σ {stds['htp']:.3f} against {stds['torch']:.3f}): every "
