@@ -9,10 +9,9 @@ in a graph that is fp16 itself the rewrite would also change the original's own 
 logits on every backend (finer, but no longer the same function to float rounding).  The
 ``output`` option names the output to rewrite; by default every output that matches.
 
-Produces, with ``W' = [W; 1]`` (one row of ones appended, ``[K + 1, V]``, replacing ``W`` when
-nothing else reads it)::
+Produces, with ``W' = [W; 1]`` (one row of ones appended, ``[K + 1, V]``)::
 
-    y1 = MatMul(Concat(x, 0), W')            # x @ W: the logits, as before
+    y1 = MatMul(x, W)                        # the logits, as before
     m  = ReduceMax(y1, last axis, keepdims)
     y2 = MatMul(Concat(x, -m), W')           # x @ W - m, the row's max subtracted before rounding
     <output>        = shape-only ops(y2)     # the logits relative to m: the top ones near 0
@@ -31,12 +30,15 @@ accumulation puts the logits that decide the next token near 0, where fp16 resol
 ``tests/test_pass_logits_offset.py`` measures it on the HTP in fp16: the logits within 4 of their
 row's maximum come out well over 10x closer to fp32.
 
-Cost: a second lm_head MatMul (and ReduceMax, Neg, two Concats, a Reshape) per call, the weight
-stored once.  Preparing the graph on the HTP takes longer (onnxruntime-qnn 2.7.0's simulator
-spends tens of seconds more on SmolLM2-135M's graphs; with two copies of the weight it would not,
-but the lm_head would be stored twice): that happens once, when the context is compiled.
-``qnnpasses llm`` applies the pass to fp16 pairs only (a quantized pair's logits have 16-bit
-steps set by calibration instead); ``--plain-logits`` turns it off.
+Cost: a second lm_head MatMul (and ReduceMax, Neg, Concat, Reshape) per call, and the lm_head's
+weight stored twice (``W`` and ``W'``).  One ``W'`` for both MatMuls (``Concat(x, 0)`` for the
+first) would store it once, but onnxruntime-qnn 2.7.0's HTP handles two MatMuls that share a
+weight with a reduction between them badly: preparing an lm_head of SmolLM2-135M's size alone
+(576 x 49,152) took about 12x as long as with two weights, and with a vocabulary of 98,304 the
+prepared graph ran about 8x slower (one-off probes of the lm_head alone, fp16 mode).  With two weights
+both stay in proportion to the plain lm_head.  ``qnnpasses llm`` applies the pass to fp16 pairs
+only (a quantized pair's logits have 16-bit steps set by calibration instead); ``--plain-logits``
+turns it off.
 """
 
 from __future__ import annotations
@@ -146,9 +148,7 @@ class LogitsOffset(Pass):
         x_shape, y_shape = static_shape(x), static_shape(y)
         column = (*x_shape[:-1], 1)
         wide = (*x_shape[:-1], x_shape[-1] + 1)
-        zeros = make_constant(ir, ctx, "logits_zero_column", np.zeros(column, dtype=x.dtype))
-        plain = emit(ir, ctx, "Concat", [x, zeros], hint="logits_input", dtype=x.dtype, shape=wide, attrs={"axis": -1})
-        first = emit(ir, ctx, "MatMul", [plain, augmented], hint="logits_first", dtype=y.dtype, shape=y_shape)
+        first = emit(ir, ctx, "MatMul", [x, w_tensor], hint="logits_first", dtype=y.dtype, shape=y_shape)
         row_max = make_reduce(ir, ctx, "ReduceMax", first, [-1], "logits_row_max")
         row_max.shape = list(column)
         negated = emit(ir, ctx, "Neg", [row_max], hint="logits_neg_max", dtype=x.dtype, shape=column)
