@@ -4,9 +4,9 @@ pair) -> greedy generation on the HTP in fp16, against the original export run i
 onnxruntime CPU with a growing cache.  Its massive activations (|h| ~ 25,800) are what break
 fp16 on the HTP; the full figures (4 prompts, both exporters, w8a16) are in docs/llm.md.
 
-Greedy decoding of real text meets fp32 near-ties often (top-2 logit margins of 0.001-0.03
-where fp16's spacing at the top logit is ~0.016), and no fp16 run can be expected to break those
-ties as fp32 does (docs/llm.md lists the margin at every token that differs).  The prompt here
+Greedy decoding of real text meets fp32 near-ties often (top-2 logit margins of 0.001-0.03),
+and no fp16 run can be expected to break every such tie as fp32 does: its activations carry
+fp16's rounding into the logits (docs/llm.md lists the margin at every token that differs).  The prompt here
 is one whose fp32 continuation is decided everywhere (the test checks that premise on the CPU),
 so the issue's bars apply to it unchanged.
 """
