@@ -93,7 +93,10 @@ def find_tensors(model: onnx.ModelProto, layer: int) -> dict[str, Any]:
     o_proj = by_dims([hidden, hidden])[layer]
     down_proj = [n for n in mat if len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].dims[1] == hidden
                  and inits[n.input[1]].dims[0] > hidden][layer]
-    head = mat[-1]
+    # the lm_head: the widest [hidden, N] weight, first in node order (logits-offset's second MatMul
+    # reads [W; 1], K = hidden + 1, after the first, the plain x @ W this probe measures)
+    widest = max(int(inits[n.input[1]].dims[-1]) for n in mat)
+    head = next(n for n in mat if list(inits[n.input[1]].dims) == [hidden, widest])
     return {"norm": norms[2 * layer], "final_norm": norms[-1], "softmax": softmaxes[layer], "sigmoid": gates[layer],
             "o_proj": o_proj, "down_proj": down_proj, "lm_head": head, "inits": inits}
 
