@@ -464,8 +464,8 @@ def _fp16_ties(doc: dict[str, Any]) -> str:
             f"positions, where consecutive fp16 values are {min(gap):.4f}–{max(gap):.4f} apart: every such margin "
             f"is within {spacings:.1f} of those spacings")
     if shifted and all(shifted):
-        sigma = max(r["margin_shift_std"] for r in fp16 if "margin_shift_std" in r) if all(
-            "margin_shift_std" in r for r in fp16) else None
+        stds = [r.get("margin_shift_std") for r in fp16]
+        sigma = max(stds) if None not in stds else None
         text += (". The pair's logits come out relative to their row's maximum (`logits-offset`), where fp16 "
                  f"resolves the runner-up of such a margin to {max(float(np.spacing(np.float16(d['fp32_margin']))) for d in differing):.1g} "
                  "or finer: what flips it is the fp16 error the activations accumulate before the lm_head")
@@ -488,8 +488,8 @@ def _ceiling_verdict(torch16: list[dict], htp: list[dict], turned: list[float], 
     """What the off-HTP runs say about the pair's identical leading tokens.
 
     The HTP pair at or above the target: it says so, and how its margin shift compares with
-    torch fp16's.  Otherwise, torch fp16 below the target: fp16 as torch does it falls short too.  At or above it, the
-    HTP pair has headroom unless it already moves fp32's top-2 margin no more than torch fp16
+    torch fp16's.  Otherwise, torch fp16 below the target: fp16 as torch does it falls short too.
+    At or above it, the HTP pair has headroom unless it already moves fp32's top-2 margin no more than torch fp16
     does (σ within 25%) and each token it generates differently is a near-tie, where fp32's lead
     was at most 3σ of torch fp16's own error: which near-ties flip is then down to where the
     roundings fall rather than to a less precise computation.

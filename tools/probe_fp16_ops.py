@@ -65,9 +65,9 @@ def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
 
 def find_tensors(model: onnx.ModelProto, layer: int) -> dict[str, Any]:
     """Names (and weights) of the op inputs probed, found by structure in the pair's prefill:
-    layer ``layer``'s input RMSNorm, attention Softmax (or what softmax-exp made of it), o_proj, MLP SiLU gate (the input of its
-    Sigmoid, or of its ``h = 0.5 x`` where ``silu-tanh`` rewrote it) and down_proj; the final
-    RMSNorm and the lm_head MatMul."""
+    layer ``layer``'s input RMSNorm, attention Softmax (or what softmax-exp made of it), o_proj,
+    MLP SiLU gate (the input of its Sigmoid, or of its ``h = 0.5 x`` where ``silu-tanh`` rewrote
+    it) and down_proj; the final RMSNorm and the lm_head MatMul."""
     inits = {i.name: i for i in model.graph.initializer}
     nodes = model.graph.node
     norms = [n for n in nodes if n.op_type == "RMSNormalization"]

@@ -1,8 +1,8 @@
 """Graph helpers shared by the normalization / GeLU / fp16-safety passes.
 
 Generic enough for ``qnnpasses.passmanager.rewrite`` (candidates to move there): reading Reduce*
-axes whichever way the opset spells them, walking through no-op Casts, and the fp16-safe normalization builder that both ``fp16-safety``
-and ``decompose-layernorm`` emit.
+axes whichever way the opset spells them, walking through no-op Casts, and the fp16-safe
+normalization builder that both ``fp16-safety`` and ``decompose-layernorm`` emit.
 """
 
 from __future__ import annotations

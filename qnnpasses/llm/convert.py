@@ -48,7 +48,7 @@ from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
 from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
-from qnnpasses.passmanager.named import HTP_FP16_FORMS, get_pipeline
+from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 
 STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,kv-new-outputs,kv-split-concat"
@@ -64,7 +64,7 @@ def static_cache_pipeline(context: int) -> str:
 #: (``silu-tanh``: its fused MatMul -> Sigmoid -> Mul of one-token graphs loses several times
 #: fp16's rounding; ``softmax-exp``: its Softmax loses 2-4x an ideal fp16 op's, the spelled-out
 #: form 1-1.5x; see tools/probe_fp16_ops.py, docs/fp16_ops.md).
-FP16_PIPELINE = f"{','.join(HTP_FP16_FORMS)},cleanup"
+FP16_PIPELINE = HTP_FP16_FORMS_PIPELINE
 
 #: The pass that keeps fp16 logits at fine resolution near the top (fp16 pairs, after FP16_PIPELINE).
 LOGITS_OFFSET = "logits-offset"
@@ -215,7 +215,8 @@ def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
               "new_value": [new_output_name(n, "present", "new") for n in roles.present_value]}
     from qnnpasses.passes.logits.logits_offset import offset_name
 
-    result["logits_offset"] = offset_name(roles.logits) if offset_name(roles.logits) in outputs else None
+    offset = offset_name(roles.logits)
+    result["logits_offset"] = offset if offset in outputs else None
     missing_in = [n for n in [roles.input_ids, roles.attention_mask, *roles.past_key, *roles.past_value] if n not in inputs]
     missing_out = [n for n in [roles.logits, *result["new_key"], *result["new_value"]] if n not in outputs]
     if missing_in or missing_out:
