@@ -7,7 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
 from conftest import fixture_inputs, requires_htp
-from qnnpasses.passes.attention._match import find_attentions
+from qnnpasses.ir.attention import find_attentions
 from qnnpasses.passes.attention._proj import find_head_split, find_projection
 from test_pass_gqa_broadcast import (
     HTP_PREFIX,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.attention._match import Attention, KVSide, shape_of
+from qnnpasses.ir.attention import Attention, KVSide, shape_of
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import PassContext

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.attention._match import shape_of
+from qnnpasses.ir.attention import shape_of
 
 from qnnpasses.passmanager.rewrite import constant_value, producer, static_shape
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
 from qnnpasses.passes.attention._mask import replace_mask_constants, rows_keep
-from qnnpasses.passes.attention._match import NaNGuard, find_guard
+from qnnpasses.ir.attention import NaNGuard, find_guard
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (

@@ -1,6 +1,6 @@
 """gqa-broadcast: grouped-query attention without materialising ``repeat_kv``.
 
-Matches: attention blocks (see ``passes/attention/_match.py``) whose key and value come from HF
+Matches: attention blocks (see ``qnnpasses/ir/attention.py``) whose key and value come from HF
 ``repeat_kv`` — ``Unsqueeze(2)``/``Reshape`` to ``[B, kvH, 1, S, D]`` -> ``Expand`` to
 ``[B, kvH, G, S, D]`` -> ``Reshape`` — as TorchScript and dynamo export it (eager and SDPA,
 with or without a KV cache), followed by any layout chain that the matcher verifies.
@@ -23,7 +23,7 @@ K/V head once.
 from __future__ import annotations
 
 from qnnpasses.passes.attention._grouped import GroupedRewriter
-from qnnpasses.passes.attention._match import find_attentions
+from qnnpasses.ir.attention import find_attentions
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (

@@ -1,6 +1,6 @@
 """mha-to-gqa{groups=G}: multi-head attention -> grouped-query attention (LOSSY).
 
-Matches: attention blocks (``passes/attention/_match.py``) without ``repeat_kv`` (H key/value
+Matches: attention blocks (``qnnpasses/ir/attention.py``) without ``repeat_kv`` (H key/value
 heads) whose key and value heads trace back (``passes/attention/_proj.py``) through rotary
 and the head-split Reshape to constant projections: ``MatMul``/``Gemm`` weights, optional
 bias, optionally fused QKV cut by ``Split``/``Slice``.  Blocks with a KV cache in the graph
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from qnnpasses.passes.attention._grouped import GroupedRewriter
-from qnnpasses.passes.attention._match import Attention, find_attentions
+from qnnpasses.ir.attention import Attention, find_attentions
 from qnnpasses.passes.attention._pool import (
     Shrink,
     new_column,

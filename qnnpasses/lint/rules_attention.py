@@ -14,7 +14,7 @@ import numpy as np
 
 from qnnpasses.lint.context import LintContext
 from qnnpasses.lint.registry import ONNX_OPS_DOCS, Finding, Rule, rule
-from qnnpasses.passes.attention._match import find_guard
+from qnnpasses.ir.attention import find_guard
 from qnnpasses.passmanager.rewrite import constant_value
 
 CLEANUP = "attention-cleanup"

@@ -12,96 +12,22 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.graph_ops import finish_graph
-from qnnpasses.ir.model import DerivedValues, IRModel
+from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.read import (  # noqa: F401 - the read helpers, re-exported for passes
+    producer,
+    producer_op,
+    single_consumer,
+    constant_value,
+    constant_shape,
+    is_constant,
+    is_scalar_constant,
+    scalar,
+    last_axis,
+    static_shape,
+    input_value,
+    normalize_axis,
+)
 from qnnpasses.passmanager.api import PassContext
-
-
-def producer(tensor: gs.Tensor) -> gs.Node | None:
-    """The node that computes ``tensor`` (None for graph inputs and constants)."""
-    return tensor.inputs[0] if tensor.inputs else None
-
-
-def producer_op(tensor: gs.Tensor, op: str | Sequence[str]) -> gs.Node | None:
-    """The producer of ``tensor`` if its op type is ``op`` (or one of them)."""
-    node = producer(tensor)
-    ops = (op,) if isinstance(op, str) else tuple(op)
-    return node if node is not None and node.op in ops else None
-
-
-def single_consumer(tensor: gs.Tensor, graph: gs.Graph | None = None) -> gs.Node | None:
-    """The only node reading ``tensor``, if exactly one does and it is not a graph output."""
-    if len(tensor.outputs) != 1:
-        return None
-    if graph is not None and tensor in graph.outputs:
-        return None
-    return tensor.outputs[0]
-
-
-def constant_value(tensor: gs.Tensor | None, *, through_identity: bool = False) -> np.ndarray | None:
-    """The value of a tensor known at rewrite time: an initializer or a Constant node's output.
-
-    With ``through_identity`` it also looks through chains of Identity nodes (the TorchScript
-    exporter shares equal initializers, e.g. every freshly initialized norm weight, via Identity).
-    """
-    if through_identity:
-        for _ in range(8):
-            node = producer(tensor) if tensor is not None else None
-            if node is None or node.op != "Identity":
-                break
-            tensor = node.inputs[0]
-    if tensor is None:
-        return None
-    if isinstance(tensor, gs.Constant):
-        if isinstance(tensor._values, DerivedValues):
-            return tensor._values.load()  # a recipe: computed on demand, never cached in the graph
-        return np.asarray(tensor.values)
-    node = producer(tensor)
-    if node is not None and node.op == "Constant" and not node.inputs:
-        value = node.attrs.get("value")
-        if isinstance(value, gs.Constant):
-            return np.asarray(value.values)
-        for key, dtype in (("value_float", np.float32), ("value_int", np.int64)):
-            if key in node.attrs:
-                return np.asarray(node.attrs[key], dtype=dtype)
-        for key, dtype in (("value_floats", np.float32), ("value_ints", np.int64)):
-            if key in node.attrs:
-                return np.asarray(node.attrs[key], dtype=dtype)
-    return None
-
-
-def constant_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
-    """The shape of a constant's value without reading it (a mapped or derived weight stays unread)."""
-    if isinstance(tensor, gs.Constant):
-        return tuple(tensor.shape)
-    value = constant_value(tensor)
-    return None if value is None else value.shape
-
-
-def is_constant(tensor: gs.Tensor | None) -> bool:
-    """Whether ``tensor``'s value is known at rewrite time, without reading that value."""
-    if isinstance(tensor, gs.Constant):
-        return True
-    node = producer(tensor) if tensor is not None else None
-    return node is not None and node.op == "Constant" and not node.inputs and constant_value(tensor) is not None
-
-
-def is_scalar_constant(tensor: gs.Tensor | None, expected: float | None = None, rtol: float = 1e-6) -> bool:
-    """True when ``tensor`` is a constant with a single distinct value (equal to ``expected`` if given)."""
-    value = constant_value(tensor)
-    if value is None or value.size == 0:
-        return False
-    flat = value.ravel()
-    if not np.all(flat == flat[0]):
-        return False
-    return expected is None or bool(np.isclose(float(flat[0]), expected, rtol=rtol, atol=0.0))
-
-
-def scalar(tensor: gs.Tensor | None, *, through_identity: bool = False) -> float | None:
-    """The single value of a constant (all its elements equal), else None."""
-    value = constant_value(tensor, through_identity=through_identity)
-    if value is None or value.size == 0 or not np.all(value.ravel() == value.ravel()[0]):
-        return None
-    return float(value.ravel()[0])
 
 
 def node_key(node: gs.Node) -> tuple | None:
@@ -251,34 +177,7 @@ def finish(ir: IRModel) -> None:
     finish_graph(ir.graph)
 
 
-def last_axis(axis: int, rank: int | None) -> bool:
-    """True when ``axis`` names the last dimension of a tensor of ``rank``."""
-    if rank is None:
-        return axis == -1
-    return axis in (-1, rank - 1)
-
-
 # --- data-movement emitters (formerly the layout family's helpers) ---------------------
-
-
-def static_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
-    """The tensor's shape when every dimension is a known non-negative integer."""
-    shape = None if tensor is None else tensor.shape
-    if shape is None:
-        return None
-    dims = []
-    for d in shape:
-        if not isinstance(d, (int, np.integer)) or d < 0:
-            return None
-        dims.append(int(d))
-    return tuple(dims)
-
-
-def input_value(node: gs.Node, index: int) -> np.ndarray | None:
-    """The constant value of an optional input; None when absent, empty-named or not constant."""
-    if index >= len(node.inputs) or not node.inputs[index].name:
-        return None
-    return constant_value(node.inputs[index])
 
 
 def emit(ir: IRModel, ctx: PassContext, op: str, inputs: list[gs.Tensor], *, hint: str, dtype, shape,
@@ -312,5 +211,3 @@ def emit_slice(ir: IRModel, ctx: PassContext, x: gs.Tensor, starts, ends, axes, 
     return emit(ir, ctx, "Slice", [x, *consts], hint=hint, dtype=x.dtype, shape=shape)
 
 
-def normalize_axis(axis: int, rank: int) -> int:
-    return axis + rank if axis < 0 else axis

@@ -1,4 +1,4 @@
-"""Shared attention matcher for the attention passes (cleanup, gqa-broadcast, mha-to-gqa).
+"""The attention recognizer: role finding, analysis, lint and the attention passes all read it.
 
 An attention block is found from its ``Softmax``, whatever the exporter wrote around it:
 
@@ -30,13 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.attention._layout import (
-    chain_permutation,
-    is_scalar_const,
-    layout_step,
-)
 
-from qnnpasses.passmanager.rewrite import constant_value, last_axis, producer, static_shape
+from qnnpasses.ir.layout_chain import chain_permutation, is_scalar_const, layout_step
+from qnnpasses.ir.read import constant_value, last_axis, producer, static_shape
 
 # Ops that may sit between Q·Kᵀ and P·V without mixing rows or columns of the scores.
 ELEMENTWISE = frozenset({

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.passmanager.rewrite import constant_value
+from qnnpasses.ir.read import constant_value
 
 MAX_SIMULATED = 1 << 26  # elements of the index tensor used to verify a layout chain
 
