@@ -91,6 +91,7 @@ class ModelSpec:
     task: str = "causal-lm"  # "causal-lm" -> logits, "base" -> last_hidden_state
     attn_implementation: str = "eager"
     kv_cache: bool = False  # export one decode step with past_key_values inputs
+    position_ids: bool = False  # a position_ids input, as Optimum's and HF users' KV exports have
     token_type_ids: bool = False
     exporters: tuple[str, ...] = ("ts", "dynamo")
     dynamic: bool = False  # symbolic batch/sequence/past axes instead of fixed shapes
@@ -104,6 +105,12 @@ SPECS: list[ModelSpec] = [
     # Dynamic-axes variants (listed under "dynamic_fixtures" in the manifest).
     ModelSpec("llama_gqa_dyn", "llama", dict(_LLAMA_LIKE, num_key_value_heads=2), dynamic=True),
     ModelSpec("llama_gqa_kv_dyn", "llama", dict(_LLAMA_LIKE, num_key_value_heads=2), kv_cache=True, dynamic=True),
+    # transformers' default attention (sdpa) with a position_ids input: what users export
+    ModelSpec("llama_gqa_kv_sdpa_dyn", "llama", dict(_LLAMA_LIKE, num_key_value_heads=2), attn_implementation="sdpa",
+              kv_cache=True, dynamic=True, position_ids=True),
+    # two embedding Gathers (tokens, learned positions) and both indexed by inputs
+    ModelSpec("gpt2_kv_dyn", "gpt2", dict(n_layer=2, n_embd=64, n_inner=128, n_head=4, vocab_size=256, n_positions=64),
+              attn_implementation="sdpa", kv_cache=True, dynamic=True, position_ids=True),
     ModelSpec("qwen2", "qwen2", dict(_LLAMA_LIKE, num_key_value_heads=2)),
     # sliding_window smaller than SEQ so the sliding-window mask is actually exercised.
     ModelSpec("mistral", "mistral", dict(_LLAMA_LIKE, num_key_value_heads=2, sliding_window=8)),
@@ -190,8 +197,11 @@ class ExportWrapper(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, *rest):
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "return_dict": True}
+        rest = list(rest)
         if self.spec.token_type_ids:
-            kwargs["token_type_ids"] = rest[0]
+            kwargs["token_type_ids"] = rest.pop(0)
+        if self.spec.position_ids:
+            kwargs["position_ids"] = rest.pop(0)
         if self.spec.kv_cache:
             pairs = [(rest[2 * i], rest[2 * i + 1]) for i in range(self.num_layers)]
             kwargs[self.cache_kwarg] = transformers.DynamicCache(pairs)
@@ -222,6 +232,8 @@ def make_io(model: torch.nn.Module, spec: ModelSpec) -> tuple[dict[str, torch.Te
     }
     if spec.token_type_ids:
         inputs["token_type_ids"] = torch.zeros(BATCH, seq, dtype=torch.int64)
+    if spec.position_ids:
+        inputs["position_ids"] = torch.arange(total - seq, total, dtype=torch.int64)[None].expand(BATCH, seq)
     outputs = ["logits" if spec.task == "causal-lm" else "last_hidden_state"]
     if spec.kv_cache:
         kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)

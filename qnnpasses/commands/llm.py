@@ -39,8 +39,26 @@ def register(subparsers) -> None:
     p.add_argument("--plain-logits", dest="logits_offset", action="store_false",
                    help="fp16: output the logits as they are, not relative to their row's maximum with a "
                         "logits_offset output (saves the second lm_head MatMul, loses the top logits' resolution)")
+    p.add_argument("--roles", metavar="ROLE=NAME,...",
+                   help="name the export's inputs/outputs where the graph leaves them ambiguous "
+                        "(roles: input_ids, attention_mask, position_ids, logits)")
     add_format_arg(p)
     p.set_defaults(func=main)
+
+
+def parse_roles(text: str | None) -> dict[str, str]:
+    """``input_ids=ids,logits=out`` -> a dict; BadInputError on anything else."""
+    roles: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        role, sep, name = item.partition("=")
+        if not sep or not role.strip() or not name.strip():
+            raise BadInputError(f"--roles: expected ROLE=NAME, got '{item}'")
+        if role.strip() in roles:
+            raise BadInputError(f"--roles: role '{role.strip()}' given twice")
+        roles[role.strip()] = name.strip()
+    return roles
 
 
 def main(args) -> int:
@@ -51,7 +69,7 @@ def main(args) -> int:
 
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile,
-                     logits_offset=args.logits_offset)
+                     logits_offset=args.logits_offset, roles=parse_roles(args.roles))
     if args.format == "json":
         print(json.dumps(manifest, indent=2))
         return 0

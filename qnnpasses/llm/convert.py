@@ -42,10 +42,12 @@ from typing import Any
 import numpy as np
 
 from qnnpasses.errors import BadInputError, CheckFailedError
-from qnnpasses.ir.kv_roles import Roles, find_roles
+from qnnpasses.ir.kv_roles import Roles
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
+from qnnpasses.llm.roles import export_roles, lower_contrib
+from qnnpasses.llm.roles import pass_records as _records
 from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
@@ -139,6 +141,16 @@ def _check_tokens(ir: IRModel, roles: Roles, tokens: int, what: str) -> None:
                             f"(export with a dynamic sequence axis, or use --prefill {fixed})")
 
 
+def _check_computes(model: Path, tokens: int) -> None:
+    """Refuse an export that cannot compute ``tokens`` new tokens at once on onnxruntime CPU."""
+    from qnnpasses.llm.reference import ReferenceModel
+
+    why = ReferenceModel(model).cannot_compute(tokens)
+    if why is not None:
+        raise BadInputError(f"the export cannot compute {tokens} new tokens at once ({why}); its exporter fixed "
+                            "the length it traced: use --prefill 1, or export with another exporter")
+
+
 def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
     shapes = {roles.input_ids: [1, tokens], roles.attention_mask: [1, past + tokens]}
     if roles.position_ids:
@@ -146,26 +158,6 @@ def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
     for name in roles.past_key + roles.past_value:
         shapes[name] = [1, int(roles.kv_heads), past, int(roles.head_dim)]
     return shapes
-
-
-def _records(result) -> list[dict[str, Any]]:
-    return [{"name": r.name, "status": r.status, "reason": r.reason, "stats": r.stats} for r in result.records]
-
-
-def lower_contrib(ir: IRModel) -> tuple[list[dict[str, Any]], str]:
-    """``htp-llm``'s onnxruntime contrib-op lowerings on ``ir`` in place (under the same contracts as in
-    ``htp-llm``: nothing lossy); returns their records and the spec of those that changed the graph."""
-    from qnnpasses.passmanager.named import CONTRIB_LOWERINGS
-
-    result = PassManager(parse_pipeline(",".join(CONTRIB_LOWERINGS)), RunConfig(verify=False, strict=True)).run(ir)
-    return _records(result), ",".join(r.name for r in result.records if r.changed)
-
-
-def export_roles(ir: IRModel) -> Roles:
-    """The roles of an export's I/O, found on what its graph does once the contrib ops are lowered
-    (``ir`` is lowered in place: a ``GroupQueryAttention`` hides the Concat of the cache)."""
-    lower_contrib(ir)
-    return find_roles(ir.graph)
 
 
 def static_graph(model: Path, roles: Roles, tokens: int, past: int,
@@ -239,17 +231,20 @@ def _io(ir: IRModel) -> dict[str, dict[str, Any]]:
     return io
 
 
-def _source_roles(roles: Roles) -> dict[str, Any]:
+def _source_roles(roles: Roles, given: dict[str, str]) -> dict[str, Any]:
+    """The original export's roles; ``given`` lists those the user named (``--roles``)."""
     return {"input_ids": roles.input_ids, "attention_mask": roles.attention_mask, "position_ids": roles.position_ids,
             "logits": roles.logits, "past_key": roles.past_key, "past_value": roles.past_value,
-            "present_key": roles.present_key, "present_value": roles.present_value}
+            "present_key": roles.present_key, "present_value": roles.present_value, "given": sorted(given)}
 
 
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
-          logits_offset: bool = True) -> dict[str, Any]:
+          logits_offset: bool = True, roles: dict[str, str] | None = None) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
+
+    ``roles``: input/output roles the user names (``--roles``), taken over what the graph suggests.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
@@ -259,13 +254,15 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     validate(model, out_dir, options)
     start = time.monotonic()
     source = load_model(model)
-    roles = export_roles(source)
+    given = dict(roles or {})
+    roles = export_roles(source, given)
     left = sorted({n.op for n in source.graph.nodes if (n.domain or "") == "com.microsoft"})
     if left:  # e.g. MatMulNBits with accuracy_level=4: its lowering is lossy (htp-llm runs it only with --allow-lossy)
         raise BadInputError(f"the export keeps onnxruntime contrib ops that are not lowered losslessly: {', '.join(left)} "
                             "(htp-llm lowers them only with --allow-lossy, which qnnpasses llm does not take)")
     _check_tokens(source, roles, prefill, f"--prefill {prefill}")
     _check_tokens(source, roles, 1, "the decode graph")
+    _check_computes(model, prefill)
     for what in ("kv_heads", "head_dim"):
         if _static_dim(getattr(roles, what)) is None:
             raise BadInputError(f"the KV cache's {what} is not a static dimension")
@@ -273,7 +270,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        manifest, report = _build_into(stage, model, source, roles, options)
+        manifest, report = _build_into(stage, model, source, roles, options, given)
         report["seconds"] = round(time.monotonic() - start, 2)
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         from qnnpasses.llm.report import report_markdown
@@ -315,7 +312,8 @@ def _require_precision(precision: str) -> None:
         raise BadInputError(f"{precision}: not available yet")
 
 
-def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options: LlmOptions) -> tuple[dict, dict]:
+def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options: LlmOptions,
+                given: dict[str, str]) -> tuple[dict, dict]:
     N, M = options.context, options.prefill
     spec = {"prefill": (M, N - M), "decode": (1, N - 1)}
     graphs: dict[str, Any] = {}
@@ -337,7 +335,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         "kv_heads": int(roles.kv_heads), "head_dim": int(roles.head_dim), "vocab": int(roles.vocab),
         "precision": options.precision, "kv_layout": {"key": "BHSD", "value": "BHSD"},
         "kv_dtype": graphs["decode"]["io"][roles.past_key[0]]["dtype"], "weight_sharing": "none",
-        "graphs": graphs, "source_roles": _source_roles(roles),
+        "graphs": graphs, "source_roles": _source_roles(roles, given),
         # how the graphs were compiled and probed on the HTP (see qnnpasses.llm.compile)
         "session": {"graph_optimization": "disable_all"},
     }

@@ -2,8 +2,10 @@
 
 The yardstick of ``qnnpasses generate --compare``: the dynamic-KV export (``past_key_values.*``
 in, ``present.*`` out) runs greedily in fp32 on the CPU, the cache growing by each step's
-``present`` outputs, exactly as ``generate()`` drives it.  The roles of its inputs and outputs
-come from the graph (:func:`qnnpasses.ir.kv_roles.find_roles`, as ``qnnpasses llm`` finds them).
+``present`` outputs, exactly as ``generate()`` drives it.  It is fed by its own Hugging Face
+names where it has them (:func:`qnnpasses.llm.roles.named_roles`), never by the roles the build
+found from the graph, so a wrong reading of the graph cannot verify itself; an export with other
+names is fed by the roles found from its graph (``fed_by`` says which).
 An export whose new-token axis is fixed to 1 is fed one token at a time.
 """
 
@@ -14,6 +16,8 @@ import os
 import numpy as np
 
 from qnnpasses.errors import BadInputError
+from qnnpasses.ir.load import load_model
+from qnnpasses.llm.roles import export_roles, named_roles
 
 _TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
           "tensor(float16)": np.float16}
@@ -29,28 +33,49 @@ class ReferenceModel:
         if not os.path.isfile(self.path):
             raise BadInputError(f"{self.path}: no such file")
         try:
-            self.session = ort.InferenceSession(self.path, providers=["CPUExecutionProvider"])
+            options = ort.SessionOptions()
+            options.log_severity_level = 4  # a failing run is reported once, by our own message
+            self.session = ort.InferenceSession(self.path, options, providers=["CPUExecutionProvider"])
+            self._quiet = ort.RunOptions()
+            self._quiet.log_severity_level = 4
         except Exception as exc:  # noqa: BLE001 - onnxruntime's own message, shortened to one line
             raise BadInputError(f"{os.path.basename(self.path)}: onnxruntime cannot load it: "
                                 f"{str(exc).strip().splitlines()[0][:300]}") from None
-        from qnnpasses.ir.load import load_model
-        from qnnpasses.llm.convert import export_roles
-
-        try:
-            roles = export_roles(load_model(self.path))
-        except BadInputError as exc:
-            raise BadInputError(f"{os.path.basename(self.path)}: {exc}") from None
-        self.input_ids, self.mask, self.positions, self.logits_name = (
-            roles.input_ids, roles.attention_mask, roles.position_ids, roles.logits)
-        self.past = roles.past_key + roles.past_value
-        self.present = roles.present_key + roles.present_value
         meta = {i.name: i for i in self.session.get_inputs()}
+        self.out_names = [o.name for o in self.session.get_outputs()]
+        named = named_roles(list(meta), self.out_names)
+        if named is not None:  # fed by its own names: the build's structural roles are not trusted here
+            self.fed_by = "names"
+            self.input_ids, self.mask, self.positions, self.logits_name = (
+                named.input_ids, named.attention_mask, named.position_ids, named.logits)
+            self.past, self.present = named.past, named.present
+            heads = {n: meta[n].shape[1] for n in self.past}
+            dims = {n: meta[n].shape[3] for n in self.past}
+            if not all(isinstance(v, int) for v in [*heads.values(), *dims.values()]):
+                # a builder export names the head dim: the graph's structure binds it (shapes only)
+                roles = self._structural_roles()
+                heads = dict.fromkeys(self.past, roles.kv_heads)
+                dims = dict.fromkeys(self.past, roles.head_dim)
+        else:
+            self.fed_by = "structure"
+            roles = self._structural_roles()
+            self.input_ids, self.mask, self.positions, self.logits_name = (
+                roles.input_ids, roles.attention_mask, roles.position_ids, roles.logits)
+            self.past = roles.past_key + roles.past_value
+            self.present = roles.present_key + roles.present_value
+            # heads / head dim as the graph declares them (a builder export names the head dim, lower-gqa binds it)
+            heads = {n: roles.kv_heads for n in self.past}
+            dims = {n: roles.head_dim for n in self.past}
         self.types = {name: _TYPES[m.type] for name, m in meta.items() if m.type in _TYPES}
-        # heads / head dim as the graph declares them (a builder export names the head dim, lower-gqa binds it)
-        self.past_shapes = {n: [1, roles.kv_heads, 0, roles.head_dim] for n in self.past}
+        self.past_shapes = {n: [1, heads[n], 0, dims[n]] for n in self.past}
         ids_shape = meta[self.input_ids].shape
         self.one_token = len(ids_shape) == 2 and ids_shape[1] == 1  # the new-token axis is fixed to 1
-        self.out_names = [o.name for o in self.session.get_outputs()]
+
+    def _structural_roles(self):
+        try:
+            return export_roles(load_model(self.path))
+        except BadInputError as exc:
+            raise BadInputError(f"{os.path.basename(self.path)}: {exc}") from None
 
     def _empty_cache(self) -> dict[str, np.ndarray]:
         cache = {}
@@ -67,7 +92,7 @@ class ReferenceModel:
         feeds[self.mask] = np.ones((1, start + len(ids)), dtype=self.types[self.mask])
         if self.positions:
             feeds[self.positions] = np.arange(start, start + len(ids), dtype=self.types[self.positions])[None]
-        out = dict(zip(self.out_names, self.session.run(self.out_names, feeds)))
+        out = dict(zip(self.out_names, self.session.run(self.out_names, feeds, self._quiet)))
         cache.update({p: out[q] for p, q in zip(self.past, self.present)})
         return np.asarray(out[self.logits_name][0], dtype=np.float32)
 
@@ -86,6 +111,35 @@ class ReferenceModel:
                 break
             logits = self._feed(tokens[-1:], len(prompt_ids) + len(tokens) - 1, cache)
         return tokens
+
+    def cannot_compute(self, new_tokens: int) -> str | None:
+        """Why the export cannot compute ``new_tokens`` tokens after a cached one (None: it can).
+
+        An exporter can bake the length it traced into the graph (TorchScript's SDPA with grouped-query
+        attention reshapes the query to the traced length): the graph then fails, or computes garbage,
+        at any other length.  Both are caught: it must run, and its logits for the tokens must equal
+        those of the same tokens fed one at a time."""
+        if self.one_token or new_tokens <= 1:
+            return None
+        ids = [int(i) % 2 + 1 for i in range(new_tokens + 1)]
+        try:
+            together = self._call(ids[1:], 1, self._prime(ids[:1]))
+            cache = self._prime(ids[:1])
+            apart = np.concatenate([self._call([t], 1 + k, cache) for k, t in enumerate(ids[1:])])
+        except BadInputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's own message, shortened to one line
+            message = str(exc).strip().splitlines()[0]
+            return f"onnxruntime: {message.rpartition('Status Message: ')[2][:200]}"
+        worst = float(np.abs(together - apart).max())
+        if worst > 1e-3 * max(1.0, float(np.abs(apart).max())):
+            return f"its logits for {new_tokens} tokens at once differ from one at a time by {worst:.3g}"
+        return None
+
+    def _prime(self, ids: list[int]) -> dict[str, np.ndarray]:
+        cache = self._empty_cache()
+        self._call(ids, 0, cache)
+        return cache
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """The logits of every position of ``ids`` (``[len(ids), vocab]``), from an empty cache."""

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from qnnpasses.llm.manifest import absolute_logits
+from qnnpasses.llm.roles import named_roles
 
 _NP = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
 
@@ -56,23 +57,40 @@ class PartsRunner:
         return env
 
 
+def reference_roles(session: ort.InferenceSession, manifest: dict[str, Any]) -> dict[str, Any]:
+    """How to feed the original export: by its own Hugging Face names where it has them (then a
+    wrong structural reading by the build cannot verify itself), else by the build's ``source_roles``
+    (also when the user named roles with ``--roles``: then the names are what the user overrode)."""
+    named = named_roles([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
+    if named is None or manifest["source_roles"].get("given"):
+        return {**manifest["source_roles"], "fed_by": "structure"}
+    half = len(named.past) // 2
+    return {"input_ids": named.input_ids, "attention_mask": named.attention_mask, "position_ids": named.position_ids,
+            "logits": named.logits, "past_key": named.past[:half], "past_value": named.past[half:],
+            "present_key": named.present[:half], "present_value": named.present[half:], "fed_by": "names"}
+
+
 def _reference_feed(session: ort.InferenceSession, roles: dict[str, Any], tokens: list[int], valid_len: int,
-                    cache: dict[str, np.ndarray], original_roles: dict[str, Any]) -> dict[str, np.ndarray]:
+                    cache: dict[str, np.ndarray], source: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The original's inputs for ``tokens`` after ``valid_len`` cached entries; layer i's past comes
+    from the static graph's past input of layer i (so the layer order is checked too)."""
     types = {i.name: i.type for i in session.get_inputs()}
-    ids_t = np.int32 if "int32" in types[original_roles["input_ids"]] else np.int64
-    feed = {original_roles["input_ids"]: np.asarray([tokens], ids_t),
-            original_roles["attention_mask"]: np.ones((1, valid_len + len(tokens)),
-                                                      np.int32 if "int32" in types[original_roles["attention_mask"]] else np.int64)}
-    if original_roles.get("position_ids"):
-        feed[original_roles["position_ids"]] = (valid_len + np.arange(len(tokens), dtype=np.int64))[None]
-    for name in roles["past_key"] + roles["past_value"]:
-        feed[name] = np.ascontiguousarray(cache[name][:, :, :valid_len])
+
+    def int_type(name: str):
+        return np.int32 if "int32" in types[name] else np.int64
+
+    feed = {source["input_ids"]: np.asarray([tokens], int_type(source["input_ids"])),
+            source["attention_mask"]: np.ones((1, valid_len + len(tokens)), int_type(source["attention_mask"]))}
+    if source.get("position_ids"):
+        feed[source["position_ids"]] = (valid_len + np.arange(len(tokens), dtype=int_type(source["position_ids"])))[None]
+    for kind in ("key", "value"):
+        for static, original in zip(roles[f"past_{kind}"], source[f"past_{kind}"]):
+            feed[original] = np.ascontiguousarray(cache[static][:, :, :valid_len])
     return feed
 
 
-def _call(runner, reference, ref_outputs, manifest, graph, chunk, valid, cache, worst) -> np.ndarray:
+def _call(runner, reference, ref_outputs, source, graph, chunk, valid, cache, worst) -> np.ndarray:
     """One call of a static graph and of the original; updates ``worst`` and the cache; returns the reference logits."""
-    source = manifest["source_roles"]
     roles = graph["roles"]
     got = runner(static_feed(graph, chunk, valid, cache))
     ref = dict(zip(ref_outputs, reference.run(ref_outputs, _reference_feed(reference, roles, chunk, valid, cache, source))))
@@ -102,6 +120,7 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
     runners = {g: PartsRunner(folder, manifest["graphs"][g]) for g in ("prefill", "decode")}
     reference = ort.InferenceSession(str(original))
     ref_outputs = [o.name for o in reference.get_outputs()]
+    source = reference_roles(reference, manifest)
     roles = manifest["graphs"]["decode"]["roles"]
     cache = {n: np.zeros((1, manifest["kv_heads"], context, manifest["head_dim"]), np.float32)
              for n in roles["past_key"] + roles["past_value"]}
@@ -110,16 +129,17 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
     valid = 0
     for start in range(0, len(prompt), size):
         chunk = prompt[start:start + size]
-        logits = _call(runners["prefill"], reference, ref_outputs, manifest, manifest["graphs"]["prefill"], chunk, valid,
+        logits = _call(runners["prefill"], reference, ref_outputs, source, manifest["graphs"]["prefill"], chunk, valid,
                        cache, worst)
         valid += len(chunk)
     tokens = [int(np.argmax(logits[0, -1]))]
     while len(tokens) < new_tokens:
-        logits = _call(runners["decode"], reference, ref_outputs, manifest, manifest["graphs"]["decode"], tokens[-1:], valid,
+        logits = _call(runners["decode"], reference, ref_outputs, source, manifest["graphs"]["decode"], tokens[-1:], valid,
                        cache, worst)
         valid += 1
         tokens.append(int(np.argmax(logits[0, -1])))
     worst["tokens"] = tokens
+    worst["reference_fed_by"] = source["fed_by"]
     worst["max_abs"] = max(worst["logits"], worst["kv"])
     worst["top1"] = worst["top1_agree"] / max(1, worst["positions"])
     return worst
