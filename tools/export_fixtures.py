@@ -108,6 +108,9 @@ SPECS: list[ModelSpec] = [
     # transformers' default attention (sdpa) with a position_ids input: what users export
     ModelSpec("llama_gqa_kv_sdpa_dyn", "llama", dict(_LLAMA_LIKE, num_key_value_heads=2), attn_implementation="sdpa",
               kv_cache=True, dynamic=True, position_ids=True),
+    # sliding window 8: a static pair must mask by positions, not cache slots, past the window
+    ModelSpec("mistral_kv_dyn", "mistral", dict(_LLAMA_LIKE, num_key_value_heads=2, sliding_window=8),
+              attn_implementation="sdpa", kv_cache=True, dynamic=True, position_ids=True),
     # two embedding Gathers (tokens, learned positions) and both indexed by inputs
     ModelSpec("gpt2_kv_dyn", "gpt2", dict(n_layer=2, n_embd=64, n_inner=128, n_head=4, vocab_size=256, n_positions=64),
               attn_implementation="sdpa", kv_cache=True, dynamic=True, position_ids=True),
@@ -287,7 +290,10 @@ def dynamo_dynamic_shapes(spec: ModelSpec, inputs: dict[str, torch.Tensor]) -> t
     return (shapes[0], shapes[1], tuple(shapes[2:])) if len(shapes) > 2 else tuple(shapes)
 
 
-def export_ts(wrapper, inputs, output_names, path: Path) -> None:
+def export_ts(wrapper, inputs, output_names, path: Path, dynamic_axes: dict | None = None) -> None:
+    """``dynamic_axes`` overrides the spec's (``ts_dynamic_axes``) when given."""
+    if dynamic_axes is None:
+        dynamic_axes = ts_dynamic_axes(wrapper.spec, inputs, output_names)
     torch.onnx.export(
         wrapper,
         tuple(inputs.values()),
@@ -297,11 +303,14 @@ def export_ts(wrapper, inputs, output_names, path: Path) -> None:
         input_names=list(inputs),
         output_names=output_names,
         do_constant_folding=True,
-        dynamic_axes=ts_dynamic_axes(wrapper.spec, inputs, output_names),
+        dynamic_axes=dynamic_axes,
     )
 
 
-def export_dynamo(wrapper, inputs, output_names, path: Path) -> None:
+def export_dynamo(wrapper, inputs, output_names, path: Path, dynamic_shapes: tuple | None = None) -> None:
+    """``dynamic_shapes`` overrides the spec's (``dynamo_dynamic_shapes``) when given."""
+    if dynamic_shapes is None:
+        dynamic_shapes = dynamo_dynamic_shapes(wrapper.spec, inputs)
     program = torch.onnx.export(
         wrapper,
         tuple(inputs.values()),
@@ -309,7 +318,7 @@ def export_dynamo(wrapper, inputs, output_names, path: Path) -> None:
         input_names=list(inputs),
         output_names=output_names,
         optimize=True,
-        dynamic_shapes=dynamo_dynamic_shapes(wrapper.spec, inputs),
+        dynamic_shapes=dynamic_shapes,
     )
     program.save(str(path), external_data=False)
 
