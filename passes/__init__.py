@@ -10,7 +10,7 @@
                fp16-precise forms of SiLU and Softmax (silu-tanh, softmax-exp)
 ``layout``     data movement (layout, gathernd)
 ``kvcache``    a dynamic-cache decoder's I/O made static (expose-positions,
-               kv-new-outputs, kv-split-concat)
+               window-positions, kv-new-outputs, kv-split-concat)
 ``logits``     the logits' resolution in fp16 (logits-offset)
 ``outliers``   activation outliers moved out of quantization's way (rotate-residual,
                smooth-mlp, fold-norm-weights)

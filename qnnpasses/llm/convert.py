@@ -53,13 +53,17 @@ from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 
-STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,kv-new-outputs,kv-split-concat"
+STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,window-positions,kv-new-outputs,kv-split-concat"
 
 
-def static_cache_pipeline(context: int) -> str:
+def static_cache_pipeline(context: int, positions: str | None = None) -> str:
     """:data:`STATIC_CACHE_PIPELINE`, then ``rotary-table`` for positions below ``context``: a cache
-    of ``context`` slots never sees a larger position, and a table keeps the rotary angles exact in fp16."""
-    return f"{STATIC_CACHE_PIPELINE},rotary-table{{positions={context}}}"
+    of ``context`` slots never sees a larger position, and a table keeps the rotary angles exact in fp16.
+    ``positions``: the export's own position input, when it has one under another name."""
+    static = STATIC_CACHE_PIPELINE
+    if positions and positions != "position_ids":
+        static = static.replace("window-positions", f"window-positions{{positions={positions}}}")
+    return f"{static},rotary-table{{positions={context}}}"
 
 
 #: After htp-llm, for fp16 pairs only: formulations the HTP computes closer to fp32 in fp16 mode
@@ -170,7 +174,7 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     weights can only be quantized per tensor on the HTP (:mod:`qnnpasses.quant.policy`)."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
-    static = static_cache_pipeline(tokens + past)
+    static = static_cache_pipeline(tokens + past, roles.position_ids)
     stage = PassManager(parse_pipeline(static), RunConfig(verify=False, strict=True, allow_lossy=True))
     stage.context.shapes = _shapes(roles, tokens, past)
     first = stage.run(ir)
