@@ -4,7 +4,8 @@
 
 A module imports only from its own layer or the ones to its left; the leaf utilities
 (errors, units, wording, progress, the package root) import nothing of the project and
-may be imported everywhere.  Module-level imports form no cycle.  A pass family imports
+may be imported everywhere.  Imports, at module level or inside functions, form no cycle between
+modules or between packages.  A pass family imports
 no other family's private ``_*`` modules, and no pass module imports another pass module
 (a pass never runs another pass: shared rewrites live in the family's helpers or in
 ``qnnpasses.passmanager.rewrite``).
@@ -25,13 +26,11 @@ LEAVES = {"qnnpasses", "qnnpasses.errors", "qnnpasses.units", "qnnpasses.wording
 KNOWN_UPWARD = {
     ("qnnpasses.passmanager.api", "qnnpasses.passes"):
         "the registry discovers the built-in pass families (as it discovers plugins); no pass code is used",
-    ("qnnpasses.passmanager.report", "qnnpasses.analysis"):
-        "the run report embeds analysis figures; model_snapshot belongs in qnnpasses.analysis",
 }
 LAYERS = [
     ("ir", ("qnnpasses.ir", "qnnpasses.op_support")),
     ("backends", ("qnnpasses.backends",)),
-    ("passmanager", ("qnnpasses.passmanager",)),
+    ("passmanager", ("qnnpasses.passmanager", "qnnpasses.api", "qnnpasses.pass_api")),
     ("passes", ("qnnpasses.passes",)),
     ("analyses/tools", ("qnnpasses.analysis", "qnnpasses.partition", "qnnpasses.handoff", "qnnpasses.lint",
                         "qnnpasses.quant", "qnnpasses.llm", "qnnpasses.debug")),
@@ -114,27 +113,58 @@ def test_layers_import_only_downward():
     assert known == set(KNOWN_UPWARD), f"no longer needed, drop from KNOWN_UPWARD: {set(KNOWN_UPWARD) - known}"
 
 
-def test_no_import_cycle():
-    graph = {name: _imports(name, path, top_level_only=True) for name, path in MODULES.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every elementary cycle of an import graph, as ``a -> b -> a`` lines."""
+    import networkx as nx
+
+    digraph = nx.DiGraph()
+    digraph.add_edges_from((a, b) for a, targets in graph.items() for b in targets if a != b)
+    found = []
+    for cycle in nx.simple_cycles(digraph):
+        start = cycle.index(min(cycle))  # each cycle from its smallest name, so the text is stable
+        cycle = cycle[start:] + cycle[:start]
+        found.append(" -> ".join([*cycle, cycle[0]]))
+    return sorted(found)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at module level or inside functions alike (an
+    import inside a function is still a dependency; it only hides a cycle from the interpreter)."""
+    graph = {name: _imports(name, path, top_level_only=False) for name, path in MODULES.items()}
     # a package's __init__ importing its own submodules is how packages re-export, not a cycle
-    graph = {n: {t for t in targets if not (n == t.rpartition(".")[0] and MODULES[n].name == "__init__.py")}
-             for n, targets in graph.items()}
-    state: dict[str, int] = {}
-    cycles = []
+    return {n: {t for t in targets if not (n == t.rpartition(".")[0] and MODULES[n].name == "__init__.py")}
+            for n, targets in graph.items()}
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for target in sorted(graph.get(node, ())):
-            if state.get(target) == 1:
-                cycles.append(" -> ".join(path[path.index(target):] + [target]) if target in path else target)
-            elif target not in state:
-                visit(target, path + [target])
-        state[node] = 2
 
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-    assert not cycles, "\n".join(cycles)
+def _package(module: str) -> str:
+    """The package a module belongs to (a pass family counts as a package of its own)."""
+    parts = module.split(".")
+    if parts[:2] == ["qnnpasses", "passes"] and len(parts) > 3:
+        return ".".join(parts[:3])
+    if (module in MODULES and MODULES[module].name == "__init__.py") or module.count(".") < 2:
+        return module  # a package, or a top-level module (cli, errors, units ...) on its own
+    return module.rpartition(".")[0]
+
+
+#: Cycles that exist today, each with why (none).
+KNOWN_CYCLES: dict[str, str] = {}
+
+
+def test_no_module_import_cycle():
+    assert [c for c in _cycles(_module_graph()) if c not in KNOWN_CYCLES] == []
+
+
+def test_no_package_import_cycle():
+    packages: dict[str, set[str]] = {}
+    for name, targets in _module_graph().items():
+        packages.setdefault(_package(name), set()).update(_package(t) for t in targets)
+    assert [c for c in _cycles(packages) if c not in KNOWN_CYCLES] == []
+
+
+def test_a_planted_cycle_is_found():
+    planted = {**_module_graph(), "qnnpasses.ir.model": {"qnnpasses.quant.gptq"},
+               "qnnpasses.quant.gptq": {"qnnpasses.ir.model"}}
+    assert "qnnpasses.ir.model -> qnnpasses.quant.gptq -> qnnpasses.ir.model" in _cycles(planted)
 
 
 def _family(module: str) -> str | None:

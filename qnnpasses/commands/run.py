@@ -15,12 +15,8 @@ from qnnpasses.ir.model import save_model
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.manager import PassManager, RunConfig, RunResult
 from qnnpasses.passmanager.named import get_pipeline
-from qnnpasses.passmanager.report import (
-    build_report,
-    model_snapshot,
-    op_histogram,
-    write_report,
-)
+from qnnpasses.analysis.snapshot import model_snapshot
+from qnnpasses.passmanager.report import build_report, op_histogram, write_report
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 
 

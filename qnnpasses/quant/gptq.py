@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from qnnpasses.quant.scales import search_scales
+
 #: Rows updated together before the rest of the weight is (the paper's B = 128).
 LAZY_BLOCK = 128
 #: Hessian dampening, a fraction of the mean diagonal.
@@ -65,9 +67,7 @@ class GptqConfig:
 
 
 def _search(w: np.ndarray, qmax: int, mse: bool) -> np.ndarray:
-    from qnnpasses.quant.weights import _search
-
-    return _search(w, qmax, mse)[0]
+    return search_scales(w, qmax, mse)[0]
 
 
 def inverse_cholesky(h: np.ndarray, damp: float = DAMP) -> np.ndarray:

@@ -5,9 +5,9 @@ At 4 bit that wastes the grid on one outlier weight: the MSE-optimal scale clips
 :func:`refine_weights` rewrites every per-channel weight ``DequantizeLinear`` of a QDQ model
 in place of the quantizer's values:
 
-* ``mse``: per output channel (or per block), the clip ratio ``α`` in ``[0.5, 1]`` (step
-  ``1/STEPS``) minimizing ``Σ (w - s·clip(round(w/s)))²`` with ``s = α·max|w| / qmax``
-  (CPU, vectorized over channels; a few seconds for a 135M-parameter model);
+* ``mse``: per output channel (or per block), the clip ratio ``α`` in ``[0.5, 1]``
+  (:mod:`qnnpasses.quant.scales`) minimizing ``Σ (w - s·clip(round(w/s)))²`` with
+  ``s = α·max|w| / qmax`` (CPU, vectorized over channels; a few seconds for a 135M-parameter model);
 * ``block_size=B``: an int4 weight ``W[K, N]`` gets one scale per ``B`` rows of each column
   (``DequantizeLinear(axis=0, block_size=B)``, scale ``[K/B, N]``, opset 21) when ``K`` is a
   multiple of ``B``; others keep per-channel scales and are reported as such.
@@ -34,8 +34,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qnnpasses.quant.gptq import GptqConfig, gptq_round, weight_hessians, weighted_error
+from qnnpasses.quant.scales import rounding_error, search_scales
 
-STEPS = 50
 _QMAX = {TensorProto.INT4: 7, TensorProto.INT8: 127, TensorProto.INT16: 32767}
 _NUMPY = {TensorProto.INT4: ml_dtypes.int4, TensorProto.INT8: np.int8, TensorProto.INT16: np.int16}
 
@@ -62,25 +62,6 @@ class RefineReport:
         return out
 
 
-def _search(w: np.ndarray, qmax: int, mse: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Scales for groups along axis 0 of ``w[G, N]`` (each column a group): (scale[N], squared error[N])."""
-    peak = np.maximum(np.abs(w).max(axis=0), 1e-12)
-    best_s = peak / qmax
-    best_e = _err(w, best_s, qmax)
-    if mse:
-        for alpha in np.linspace(0.5, 1.0, STEPS + 1)[:-1]:
-            s = alpha * peak / qmax
-            e = _err(w, s, qmax)
-            better = e < best_e
-            best_s, best_e = np.where(better, s, best_s), np.where(better, e, best_e)
-    return best_s, best_e
-
-
-def _err(w: np.ndarray, s: np.ndarray, qmax: int) -> np.ndarray:
-    q = np.clip(np.rint(w / s), -qmax - 1, qmax)
-    return ((w - q * s) ** 2).sum(axis=0)
-
-
 def quantize_weight(w: np.ndarray, axis: int, dtype: int, *, mse: bool, block_size: int | None):
     """(quantized, scale, axis, block) for a 2-D weight; ``block`` is 0 when per-channel."""
     qmax = _QMAX[dtype]
@@ -88,12 +69,12 @@ def quantize_weight(w: np.ndarray, axis: int, dtype: int, *, mse: bool, block_si
     k, n = wt.shape
     if block_size and k % block_size == 0 and k > block_size:
         groups = wt.reshape(k // block_size, block_size, n).transpose(1, 0, 2).reshape(block_size, -1)
-        s, e = _search(groups, qmax, mse)
+        s, e = search_scales(groups, qmax, mse)
         scale = s.reshape(k // block_size, n)
         full = np.repeat(scale, block_size, axis=0)
         q = np.clip(np.rint(wt / full), -qmax - 1, qmax)
         return q, scale, 0 if axis == 1 else 1, block_size, e.sum()
-    s, e = _search(wt, qmax, mse)
+    s, e = search_scales(wt, qmax, mse)
     q = np.clip(np.rint(wt / s), -qmax - 1, qmax)
     return np.moveaxis(q, 1, axis), s, axis, 0, e.sum()
 
@@ -138,7 +119,7 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
         old_s = numpy_helper.to_array(sinit).astype(np.float64)
         qmax = _QMAX[qinit.data_type]
         wt = np.moveaxis(w.astype(np.float64), axis, 1)
-        totals["before"] += float(_err(wt, old_s, qmax).sum())
+        totals["before"] += float(rounding_error(wt, old_s, qmax).sum())
         blocks = block_size if qinit.data_type == TensorProto.INT4 else None  # 8-bit weights stay per channel
         q, scale, new_axis, block, err = quantize_weight(w, axis, qinit.data_type, mse=mse, block_size=blocks)
         if blocks and not block:
