@@ -12,18 +12,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.passmanager.api import (
+from qnnpasses.api import (
     EXACT,
     FOLDED,
     Pass,
     PassContext,
     PassResult,
-    register_pass,
-)
-from qnnpasses.passmanager.rewrite import (
     can_replace,
     constant_value,
     finish,
+    register_pass,
     replace_all_uses,
 )
 
