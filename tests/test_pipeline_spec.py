@@ -105,3 +105,11 @@ def test_register_pass_rejects_bad_declarations():
         class Duplicate(Pass):
             name = "cleanup"
             summary = "x"
+
+
+def test_split_items_keeps_options_and_repeats_whole():
+    from qnnpasses.passmanager.spec import split_items
+
+    assert split_items("none, rotate-residual{a=1,b=2},repeat{max=3}(simplify,cleanup),") == [
+        "none", "rotate-residual{a=1,b=2}", "repeat{max=3}(simplify,cleanup)"]
+    assert split_items("") == []

@@ -55,9 +55,10 @@ def main(args) -> int:
         raise BadInputError("--eval-samples must be at least 1")
     console = Console(file=sys.stderr)
     from qnnpasses.commands.quantize import outlier_spec
+    from qnnpasses.passmanager.spec import split_items
 
     policies = grid(args.weights, args.kv_bits, int4=args.int4,
-                    outliers=tuple(outlier_spec(o.strip()) for o in args.outliers.split(",") if o.strip()),
+                    outliers=tuple(outlier_spec(o) for o in split_items(args.outliers)),
                     rounding=tuple(r.strip() for r in args.weight_rounding.split(",") if r.strip()))
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())

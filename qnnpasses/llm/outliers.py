@@ -222,14 +222,13 @@ def ulp_floor(path: Path, cases: list[VerificationCase], reference: list[dict[st
 
 def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[str, np.ndarray]]],
                  work: Path) -> tuple[dict[str, Path], list[dict[str, Any]]]:
-    """Run the passes of ``spec`` (comma-separated) on the float graphs ``paths`` (name -> .onnx),
+    """Run the passes of ``spec`` (a textual pipeline) on the float graphs ``paths`` (name -> .onnx),
     each pass on every graph alike and kept only when every graph passes the checks of the module
     docs.  ``real``: per graph, real inputs of its calls.  Returns the resulting graph files
     (written into ``work``; the originals where nothing changed) and one record per pass."""
     import qnnpasses.passes  # noqa: F401 - registers the passes
-    from qnnpasses.passmanager.api import get_pass
     from qnnpasses.passmanager.manager import PassManager, RunConfig
-    from qnnpasses.passmanager.spec import parse_pipeline
+    from qnnpasses.passmanager.spec import format_items, parse_pipeline
 
     work.mkdir(parents=True, exist_ok=True)
     current = dict(paths)
@@ -248,8 +247,8 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
         out64[name] = run_cases(path, cases[name], float64=True, work=work)
         floors[name] = ulp_floor(path, cases[name], out64[name], work)
     records = []
-    for step, pass_name in enumerate(p.strip() for p in spec.split(",") if p.strip()):
-        contract = get_pass(pass_name).contract
+    for step, item in enumerate(parse_pipeline(spec).passes()):  # options with commas stay whole
+        pass_name, contract = format_items([item]), item.contract
         tolerance = contract.tolerance(ATOL, RTOL, MIN_COSINE)
         record: dict[str, Any] = {"pass": pass_name, "status": "unchanged", "stats": {}, "reason": "",
                                   "contract": contract.describe(), "graphs": {}}

@@ -161,6 +161,19 @@ def parse_pipeline(text: str) -> Pipeline:
     return Pipeline(items)
 
 
+def split_items(text: str) -> list[str]:
+    """The top-level items of a comma-separated list whose items may be pipelines: commas inside
+    ``{...}`` options or ``repeat(...)`` do not split (``a{x=1,y=2},b`` -> ``a{x=1,y=2}``, ``b``)."""
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += (char in "{(") - (char in "})")
+        if char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
 # --------------------------------------------------------------------------- printing
 
 
