@@ -4,10 +4,12 @@ The matrix (`tools/decoder_matrix.py`, built on first use into `~/.cache/qnnpass
 a few minutes): tiny random-initialised decoders of 15 Hugging Face families x {sdpa (transformers'
 default, attention left alone), eager} x {TorchScript, dynamo}, each exported with a dynamic KV
 cache, with transformers' own greedy tokens stored beside it (20 new tokens after a 12-token
-prompt: sliding windows of 8 are crossed).  For every fixture `qnnpasses llm` builds the pair
+prompt: sliding windows of 8 are crossed).  For every fixture, through the command line
+(`tools/decoder_eval.py`, which also writes docs/decoders.md): `qnnpasses llm` builds the pair
 (context 64, prefill 4; 1 where the export only computes one token at a time), its CPU check
-against the original holds to 1e-4, `qnnpasses generate --on cpu` gives transformers' tokens, and
-both graphs are 1 HTP partition with 0 CPU nodes in fp16 (the build's own probe on the backend).
+against the original fed by its HF names holds to 1e-4, `qnnpasses generate --on cpu` gives
+transformers' tokens, both graphs are 1 HTP partition with 0 CPU nodes in fp16 (the build's own
+probe on the backend), and llm.json names the config's sliding layers and their window.
 
 Random tied-embedding families (gemma, gpt2, smollm3) greedily repeat the last prompt token, so
 their tokens say little; their CPU check against the export (itself within 1e-6 of torch) does.
@@ -16,7 +18,6 @@ their tokens say little; their CPU check against the export (itself within 1e-6 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import sys
@@ -54,32 +55,26 @@ def matrix() -> dict[str, dict]:
     return {e["name"]: e for e in entries}
 
 
-def _build(entry: dict, out: Path) -> tuple[subprocess.CompletedProcess, int]:
-    for prefill in (4, 1):
-        result = subprocess.run(["qnnpasses", "llm", entry["onnx_path"], "--out-dir", str(out), "--context", "64",
-                                 "--prefill", str(prefill), "--no-compile"], capture_output=True, text=True)
-        if result.returncode == 0 or "--prefill 1" not in result.stderr:
-            return result, prefill
-    return result, prefill
+def _local_layers(entry: dict) -> dict[str, int]:
+    """What llm.json's sliding_window must say: the config's sliding layers and their window."""
+    window = entry["sliding_window"]
+    if not window:
+        return {}
+    types = entry["layer_types"] or ["sliding_attention"] * 2
+    return {str(i): window for i, kind in enumerate(types) if kind == "sliding_attention"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_export_of_a_family_generates_transformers_tokens(family, matrix, tmp_path):
+    import decoder_eval
+
     for variant in VARIANTS:
         entry = matrix[f"{family}_{variant}"]
         assert entry["status"] == "ok", (entry["name"], entry["reason"])
         assert entry["onnx_vs_torch_max_abs"] <= 1e-4, entry["name"]
-        out = tmp_path / entry["name"]
-        result, prefill = _build(entry, out)
-        assert result.returncode == 0, (entry["name"], result.stderr)
-        report = json.loads((out / "report.json").read_text())
-        assert report["verification"]["ok"] and report["verification"]["max_abs"] <= 1e-4, entry["name"]
-        for graph in ("prefill", "decode"):
-            for part in report["htp"][graph]["parts"]:
-                assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), (entry["name"], part)
-        generated = subprocess.run(["qnnpasses", "generate", str(out), "--prompt-ids",
-                                    ",".join(map(str, entry["prompt_ids"])), "--max-new-tokens",
-                                    str(len(entry["hf_tokens"])), "--on", "cpu", "--format", "json"],
-                                   capture_output=True, text=True)
-        assert generated.returncode == 0, (entry["name"], generated.stderr)
-        assert json.loads(generated.stdout)["tokens"] == entry["hf_tokens"], (entry["name"], prefill)
+        result = decoder_eval.evaluate(entry, tmp_path)
+        assert result["stage"] == "done", result
+        assert result["cpu_check_max_abs"] <= 1e-4 and result["reference_fed_by"] == "names", result
+        assert result["htp_ok"], (result["name"], result["htp_partitions"], result["htp_cpu_nodes"])
+        assert result["tokens"] == entry["hf_tokens"], (result["name"], result["prefill"])
+        assert result["sliding_window"] == _local_layers(entry), result["name"]

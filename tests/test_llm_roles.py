@@ -72,7 +72,7 @@ def test_export_that_fixed_its_traced_length_is_refused(tmp_path):
                   "--prefill", "8", "--no-compile")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot compute 8 new tokens at once" in lines[0] and "--prefill 1" in lines[0]
+    assert len(lines) == 1 and "does not compute 8 new tokens at once" in lines[0] and "--prefill 1" in lines[0]
     assert not out.exists()
 
 

@@ -41,6 +41,7 @@ def test_window_pair_matches_the_original_past_the_window(name, tmp_path):
     assert check["prompt_tokens"] + check["new_tokens"] > 8  # the sequence crosses the window of 8
     assert check["ok"] and check["max_abs"] <= 1e-4
     assert manifest["graphs"]["decode"]["past"] == 63
+    assert manifest["sliding_window"] == {"0": 8, "1": 8}
 
 
 def test_without_the_pass_the_check_refuses_the_pair(tmp_path, monkeypatch):

@@ -56,6 +56,24 @@ def _visible(value: np.ndarray) -> np.ndarray | None:
     return (value == 0) if np.all(hidden | (value == 0)) else None
 
 
+def _softmaxes_after(tensor: gs.Tensor, limit: int = 12) -> list[gs.Node]:
+    """The Softmax nodes a mask reaches through the ops between it and the scores."""
+    found, seen, frontier = [], set(), [tensor]
+    for _ in range(limit):
+        following = []
+        for current in frontier:
+            for node in current.outputs:
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                if node.op == "Softmax":
+                    found.append(node)
+                elif node.op != "MatMul":
+                    following.extend(node.outputs)
+        frontier = following
+    return found
+
+
 @register_pass
 class WindowPositions(Pass):
     name = "window-positions"
@@ -76,6 +94,8 @@ class WindowPositions(Pass):
         tokens = int(positions.shape[1])
         made: dict[tuple[int, int], gs.Tensor] = {}
         windows = []
+        layer_of = {id(n): i for i, n in enumerate(n for n in graph.nodes if n.op == "Softmax")}
+        local: dict[int, int] = {}
         for tensor in list(graph.tensors().values()):
             if not isinstance(tensor, gs.Constant) or not tensor.outputs or len(tensor.shape) < 2:
                 continue
@@ -96,13 +116,14 @@ class WindowPositions(Pass):
                 zero = make_constant(ir, ctx, "window_zero", np.asarray(0, value.dtype))
                 mask = emit(ir, ctx, "Where", [mask, zero, hidden], hint="window_additive", dtype=value.dtype,
                             shape=shape)
+            local.update(dict.fromkeys((layer_of[id(n)] for n in _softmaxes_after(tensor)), window))
             replace_all_uses(graph, tensor, mask)
             windows.append(window)
         if not windows:
             return PassResult(changed=False, notes=["no sliding-window mask in cache-slot order"])
         finish(ir)
         return PassResult(changed=True, notes=[f"{len(windows)} window mask(s), window {sorted(set(windows))}"],
-                          stats={"masks": len(windows)})
+                          stats={"masks": len(windows), "local_layers": {str(k): v for k, v in sorted(local.items())}})
 
     def _window_mask(self, ir: IRModel, ctx: PassContext, positions: gs.Tensor, past: int, window: int) -> gs.Tensor:
         """``[M, P + M]`` bool: query j sees key i iff 0 <= pos_q[j] - pos_k[i] < window."""

@@ -146,13 +146,15 @@ def _check_tokens(ir: IRModel, roles: Roles, tokens: int, what: str) -> None:
 
 
 def _check_computes(model: Path, tokens: int) -> None:
-    """Refuse an export that cannot compute ``tokens`` new tokens at once on onnxruntime CPU."""
+    """Refuse an export that cannot compute ``tokens`` new tokens at once, or one at a time, on
+    onnxruntime CPU (an exporter that baked the length it traced into the graph)."""
     from qnnpasses.llm.reference import ReferenceModel
 
     why = ReferenceModel(model).cannot_compute(tokens)
     if why is not None:
-        raise BadInputError(f"the export cannot compute {tokens} new tokens at once ({why}); its exporter fixed "
-                            "the length it traced: use --prefill 1, or export with another exporter")
+        hint = "use --prefill 1, or export" if "at once" in why else "export"
+        raise BadInputError(f"the export does not compute {why}; its exporter fixed the length it traced: "
+                            f"{hint} with another exporter or a dynamic sequence axis")
 
 
 def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
@@ -233,6 +235,13 @@ def _io(ir: IRModel) -> dict[str, dict[str, Any]]:
         io[tensor.name] = {"dtype": _DTYPES.get(np.dtype(tensor.dtype), str(np.dtype(tensor.dtype))),
                            "shape": [int(d) for d in tensor.shape]}
     return io
+
+
+def _local_layers(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Layer index (attention order) -> window of the layers whose mask ``window-positions`` rewrote
+    (empty: no sliding-window layer)."""
+    found = next((r for r in records if r["name"] == "window-positions" and r["status"] == "changed"), None)
+    return dict(found["stats"].get("local_layers", {})) if found else {}
 
 
 def _source_roles(roles: Roles, given: dict[str, str]) -> dict[str, Any]:
@@ -340,6 +349,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         "precision": options.precision, "kv_layout": {"key": "BHSD", "value": "BHSD"},
         "kv_dtype": graphs["decode"]["io"][roles.past_key[0]]["dtype"], "weight_sharing": "none",
         "graphs": graphs, "source_roles": _source_roles(roles, given),
+        "sliding_window": _local_layers(report["graphs"]["decode"]["passes"]),
         # how the graphs were compiled and probed on the HTP (see qnnpasses.llm.compile)
         "session": {"graph_optimization": "disable_all"},
     }

@@ -37,11 +37,14 @@ Semantics of one call of a graph with ``tokens`` = S and ``past`` = P:
 Additions beyond the agreed schema (readers may ignore them): ``source_roles`` -- the roles
 in the original export (``input_ids``, ``attention_mask``, ``position_ids`` or null,
 ``logits``, ``past_key``/``past_value``, ``present_key``/``present_value``: its outputs that
-hold past + new); per part ``weight_bytes`` when split; per graph ``float_onnx`` -- the float
-graph a quantized part was made from; ``session``: ``{"graph_optimization": "disable_all"}`` --
-the compiled models were made, and the graphs probed, with onnxruntime's graph optimizations
-off; a runner creating HTP sessions on the ``.onnx`` parts should do the same (onnxruntime
-otherwise fuses a part's first residual Add into a Gemm the HTP rejects).
+hold past + new; ``given``: those the user named with ``--roles``); ``sliding_window`` -- layer
+index (attention order) -> window for the local layers, whose masks follow the token positions
+(``window-positions``), empty when the model has none; per part ``weight_bytes`` when split;
+per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
+``{"graph_optimization": "disable_all"}`` -- the compiled models were made, and the graphs
+probed, with onnxruntime's graph optimizations off; a runner creating HTP sessions on the
+``.onnx`` parts should do the same (onnxruntime otherwise fuses a part's first residual Add into
+a Gemm the HTP rejects).
 
 Paths in ``parts`` are relative to the manifest's folder.  With several parts, run them in
 order, feeding each part from a dict of every tensor produced so far (graph inputs and earlier
