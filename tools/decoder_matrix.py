@@ -397,13 +397,7 @@ def summarize(entries: list[dict[str, Any]], seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    transformers.logging.set_verbosity_error()
+    ef.setup_logging(log)
     transformers.logging.disable_progress_bar()
     out_dir = args.out.expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)

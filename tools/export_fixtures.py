@@ -523,15 +523,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def setup_logging(logger: logging.Logger) -> None:
+    """``logger``'s lines plain on stderr; torch's and transformers' own notes silenced."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" notes
     transformers.logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(log)
 
     args.out.mkdir(parents=True, exist_ok=True)
     fixtures = select(args.only)
