@@ -14,12 +14,14 @@ Usage::
 
     python tools/decoder_matrix.py                     # the matrix, once (needs the export extra)
     python tools/decoder_eval.py [--matrix DIR] [--docs docs]
+    python tools/decoder_eval.py --render-only      # decoders.md again from decoders.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -84,14 +86,27 @@ def evaluate(entry: dict[str, Any], work: Path) -> dict[str, Any]:
     return result
 
 
+def _optimum_versions() -> str:
+    """The pins of the Optimum venv (tools/optimum_export.py), as text."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import optimum_export
+
+    return ", ".join(re.sub(r"\[.*?\]", "", r).replace("==", " ")
+                     for r in optimum_export.REQUIREMENTS if r.startswith(("optimum", "transformers")))
+
+
 def render(results: list[dict[str, Any]], versions: dict[str, str], seconds: float) -> str:
     ok = sum(r["ok"] for r in results)
+    exporters = sorted({r["exporter"] for r in results})
+    optimum = (f" Exporter `optimum`: `optimum-cli export onnx --task text-generation-with-past` in its own venv "
+               f"({_optimum_versions()}; `tools/optimum_export.py`), on the same saved models."
+               if "optimum" in exporters else "")
     lines = [
         "# Decoder families exported the default way, through `qnnpasses llm`",
         "",
         "Written by `python tools/decoder_eval.py` from the matrix of `python tools/decoder_matrix.py` "
         f"(tiny random-initialised decoders; {', '.join(f'{k} {v}' for k, v in versions.items())}); "
-        "every figure is in `docs/decoders.json`.",
+        f"every figure is in `docs/decoders.json`. Exporters: {', '.join(exporters)}.{optimum}",
         "",
         f"Each export (KV cache, Hugging Face names) is built at context {CONTEXT}: `prefill` is the "
         "largest of 4, 1 that the export computes (TorchScript's sdpa with grouped-query attention bakes "
@@ -127,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="the matrix folder")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where decoders.md/.json go")
+    parser.add_argument("--render-only", action="store_true", help="rewrite decoders.md from decoders.json")
     args = parser.parse_args(argv)
+    if args.render_only:
+        stored = json.loads((args.docs / "decoders.json").read_text())
+        (args.docs / "decoders.md").write_text(render(stored["results"], stored["versions"], stored["seconds"]))
+        return 0
     matrix = args.matrix.expanduser()
     if not (matrix / "matrix.json").is_file():
         print(f"no matrix in {matrix}: run python tools/decoder_matrix.py --out {matrix}", file=sys.stderr)
