@@ -102,6 +102,9 @@ class WindowPositions(Pass):
             shape = tuple(int(d) for d in tensor.shape)
             if shape[-2] != tokens or any(d != 1 for d in shape[:-2]) or shape[-1] <= tokens:
                 continue
+            softmaxes = _softmaxes_after(tensor)
+            if not softmaxes:  # not a mask (a weight reaches a MatMul first): its values stay unread
+                continue
             value = constant_value(tensor)
             visible = _visible(value.reshape(shape[-2:]))
             window = None if visible is None else slot_window(visible, shape[-1] - tokens)
@@ -116,7 +119,7 @@ class WindowPositions(Pass):
                 zero = make_constant(ir, ctx, "window_zero", np.asarray(0, value.dtype))
                 mask = emit(ir, ctx, "Where", [mask, zero, hidden], hint="window_additive", dtype=value.dtype,
                             shape=shape)
-            local.update(dict.fromkeys((layer_of[id(n)] for n in _softmaxes_after(tensor)), window))
+            local.update(dict.fromkeys((layer_of[id(n)] for n in softmaxes), window))
             replace_all_uses(graph, tensor, mask)
             windows.append(window)
         if not windows:
