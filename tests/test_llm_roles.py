@@ -43,9 +43,10 @@ def test_roles_of_default_exports_agree_with_their_names(name):
 def test_named_roles_read_the_hugging_face_names():
     proto = onnx.load(str(fixture_path("gpt2_kv_dyn_ts")), load_external_data=False)
     named = named_roles([i.name for i in proto.graph.input], [o.name for o in proto.graph.output])
-    assert named.past == ["past_key_values.0.key", "past_key_values.1.key",
-                          "past_key_values.0.value", "past_key_values.1.value"]
-    assert named.present == ["present.0.key", "present.1.key", "present.0.value", "present.1.value"]
+    assert named["past_key"] + named["past_value"] == ["past_key_values.0.key", "past_key_values.1.key",
+                                                       "past_key_values.0.value", "past_key_values.1.value"]
+    assert named["present_key"] + named["present_value"] == ["present.0.key", "present.1.key", "present.0.value",
+                                                             "present.1.value"]
     assert named_roles(["ids", "mask"], ["logits"]) is None
 
 

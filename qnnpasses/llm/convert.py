@@ -46,8 +46,7 @@ from qnnpasses.ir.kv_roles import Roles
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
-from qnnpasses.llm.roles import export_roles, lower_contrib
-from qnnpasses.llm.roles import pass_records as _records
+from qnnpasses.llm.roles import export_roles, lower_contrib, pass_records, roles_dict
 from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
@@ -187,12 +186,12 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     else:
         htp_llm = get_pipeline("htp-llm")
     second = PassManager(htp_llm, RunConfig(verify=False, strict=True)).run(ir)
-    records = _records(first) + _records(second)
+    records = pass_records(first) + pass_records(second)
     spec = htp_llm.to_text()
     if not quantized:  # the fp16 graph's precision passes (a quantized graph runs in integer mode)
         fp16 = fp16_passes(roles.logits, logits_offset)
         third = PassManager(fp16, RunConfig(verify=False, strict=True)).run(ir)
-        records += _records(third)
+        records += pass_records(third)
         spec = f"{spec},{fp16.to_text()}"
     # what ran, in textual form (quantization then knows htp-llm was applied)
     prefix = f"{lowerings}," if lowerings else ""
@@ -246,9 +245,7 @@ def _local_layers(records: list[dict[str, Any]]) -> dict[str, int]:
 
 def _source_roles(roles: Roles, given: dict[str, str]) -> dict[str, Any]:
     """The original export's roles; ``given`` lists those the user named (``--roles``)."""
-    return {"input_ids": roles.input_ids, "attention_mask": roles.attention_mask, "position_ids": roles.position_ids,
-            "logits": roles.logits, "past_key": roles.past_key, "past_value": roles.past_value,
-            "present_key": roles.present_key, "present_value": roles.present_value, "given": sorted(given)}
+    return {**roles_dict(roles), "given": sorted(given)}
 
 
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",

@@ -17,7 +17,7 @@ import numpy as np
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
-from qnnpasses.llm.roles import export_roles, named_roles
+from qnnpasses.llm.roles import export_roles, reference_roles, roles_dict
 
 _TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
           "tensor(float16)": np.float16}
@@ -30,6 +30,7 @@ class ReferenceModel:
         import onnxruntime as ort
 
         self.path = os.fspath(path)
+        self._roles = None  # found from the graph on first need (_structural_roles)
         if not os.path.isfile(self.path):
             raise BadInputError(f"{self.path}: no such file")
         try:
@@ -43,39 +44,31 @@ class ReferenceModel:
                                 f"{str(exc).strip().splitlines()[0][:300]}") from None
         meta = {i.name: i for i in self.session.get_inputs()}
         self.out_names = [o.name for o in self.session.get_outputs()]
-        named = named_roles(list(meta), self.out_names)
-        if named is not None:  # fed by its own names: the build's structural roles are not trusted here
-            self.fed_by = "names"
-            self.input_ids, self.mask, self.positions, self.logits_name = (
-                named.input_ids, named.attention_mask, named.position_ids, named.logits)
-            self.past, self.present = named.past, named.present
-            heads = {n: meta[n].shape[1] for n in self.past}
-            dims = {n: meta[n].shape[3] for n in self.past}
-            if not all(isinstance(v, int) for v in [*heads.values(), *dims.values()]):
-                # a builder export names the head dim: the graph's structure binds it (shapes only)
-                roles = self._structural_roles()
-                heads = dict.fromkeys(self.past, roles.kv_heads)
-                dims = dict.fromkeys(self.past, roles.head_dim)
-        else:
-            self.fed_by = "structure"
+        source = reference_roles(list(meta), self.out_names, lambda: roles_dict(self._structural_roles()))
+        self.fed_by = source["fed_by"]
+        self.input_ids, self.mask, self.positions, self.logits_name = (
+            source["input_ids"], source["attention_mask"], source["position_ids"], source["logits"])
+        self.past = source["past_key"] + source["past_value"]
+        self.present = source["present_key"] + source["present_value"]
+        heads = {n: meta[n].shape[1] for n in self.past}
+        dims = {n: meta[n].shape[3] for n in self.past}
+        if not all(isinstance(v, int) for v in [*heads.values(), *dims.values()]):
+            # a builder export names the head dim: the graph's structure binds it (lower-gqa)
             roles = self._structural_roles()
-            self.input_ids, self.mask, self.positions, self.logits_name = (
-                roles.input_ids, roles.attention_mask, roles.position_ids, roles.logits)
-            self.past = roles.past_key + roles.past_value
-            self.present = roles.present_key + roles.present_value
-            # heads / head dim as the graph declares them (a builder export names the head dim, lower-gqa binds it)
-            heads = {n: roles.kv_heads for n in self.past}
-            dims = {n: roles.head_dim for n in self.past}
+            heads, dims = dict.fromkeys(self.past, roles.kv_heads), dict.fromkeys(self.past, roles.head_dim)
         self.types = {name: _TYPES[m.type] for name, m in meta.items() if m.type in _TYPES}
         self.past_shapes = {n: [1, heads[n], 0, dims[n]] for n in self.past}
         ids_shape = meta[self.input_ids].shape
         self.one_token = len(ids_shape) == 2 and ids_shape[1] == 1  # the new-token axis is fixed to 1
 
     def _structural_roles(self):
-        try:
-            return export_roles(load_model(self.path))
-        except BadInputError as exc:
-            raise BadInputError(f"{os.path.basename(self.path)}: {exc}") from None
+        """The roles found from the graph (once: loading and lowering the export is not free)."""
+        if self._roles is None:
+            try:
+                self._roles = export_roles(load_model(self.path))
+            except BadInputError as exc:
+                raise BadInputError(f"{os.path.basename(self.path)}: {exc}") from None
+        return self._roles
 
     def _empty_cache(self) -> dict[str, np.ndarray]:
         cache = {}

@@ -13,8 +13,7 @@ Two independent readings, so that one can check the other:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from qnnpasses.ir.kv_roles import Roles, find_roles
 from qnnpasses.ir.model import IRModel
@@ -46,20 +45,16 @@ def export_roles(ir: IRModel, given: dict[str, str] | None = None) -> Roles:
     return find_roles(ir.graph, given)
 
 
-@dataclass
-class NamedRoles:
-    """Roles read from Hugging Face names (layer order from the names' indices)."""
-
-    input_ids: str
-    attention_mask: str
-    position_ids: str | None
-    logits: str
-    past: list[str]      # keys of every layer, then values of every layer
-    present: list[str]   # in the same order
+def roles_dict(roles: Roles) -> dict[str, Any]:
+    """The I/O roles as the manifest's ``source_roles`` and the reference feed hold them."""
+    return {"input_ids": roles.input_ids, "attention_mask": roles.attention_mask, "position_ids": roles.position_ids,
+            "logits": roles.logits, "past_key": roles.past_key, "past_value": roles.past_value,
+            "present_key": roles.present_key, "present_value": roles.present_value}
 
 
-def named_roles(inputs: list[str], outputs: list[str]) -> NamedRoles | None:
-    """The roles the Hugging Face names give, or None when the export does not use them."""
+def named_roles(inputs: list[str], outputs: list[str]) -> dict[str, Any] | None:
+    """The roles the Hugging Face names give (as :func:`roles_dict`, layers in the names' order),
+    or None when the export does not use them."""
     past = {(int(m[1]), m[2]): n for n in inputs if (m := _PAST.match(n))}
     present = {(int(m[1]), m[2]): n for n in outputs if (m := _PRESENT.match(n))}
     layers = sorted({layer for layer, _ in past})
@@ -67,7 +62,18 @@ def named_roles(inputs: list[str], outputs: list[str]) -> NamedRoles | None:
         (layer, kind) for layer in layers for kind in ("key", "value")}
     if not layers or not complete or not {"input_ids", "attention_mask"} <= set(inputs) or "logits" not in outputs:
         return None
-    order = [(layer, "key") for layer in layers] + [(layer, "value") for layer in layers]
-    return NamedRoles(input_ids="input_ids", attention_mask="attention_mask",
-                      position_ids="position_ids" if "position_ids" in inputs else None, logits="logits",
-                      past=[past[k] for k in order], present=[present[k] for k in order])
+    return {"input_ids": "input_ids", "attention_mask": "attention_mask",
+            "position_ids": "position_ids" if "position_ids" in inputs else None, "logits": "logits",
+            **{f"{io}_{kind}": [names[(layer, kind)] for layer in layers]
+               for io, names in (("past", past), ("present", present)) for kind in ("key", "value")}}
+
+
+def reference_roles(inputs: list[str], outputs: list[str], structural: Callable[[], dict[str, Any]],
+                    *, trust_names: bool = True) -> dict[str, Any]:
+    """How to feed the original export: by its own Hugging Face names where it has them (so a wrong
+    structural reading by the build cannot verify itself), else (or when ``trust_names`` is off:
+    the user overrode the names with ``--roles``) by ``structural()``; ``fed_by`` says which."""
+    named = named_roles(inputs, outputs) if trust_names else None
+    if named is None:
+        return {**structural(), "fed_by": "structure"}
+    return {**named, "fed_by": "names"}

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from qnnpasses.llm.manifest import absolute_logits
-from qnnpasses.llm.roles import named_roles
+from qnnpasses.llm.roles import reference_roles
 
 _NP = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
 
@@ -55,19 +55,6 @@ class PartsRunner:
             names = [o.name for o in sess.get_outputs()]
             env.update(zip(names, sess.run(names, {i.name: env[i.name] for i in sess.get_inputs()})))
         return env
-
-
-def reference_roles(session: ort.InferenceSession, manifest: dict[str, Any]) -> dict[str, Any]:
-    """How to feed the original export: by its own Hugging Face names where it has them (then a
-    wrong structural reading by the build cannot verify itself), else by the build's ``source_roles``
-    (also when the user named roles with ``--roles``: then the names are what the user overrode)."""
-    named = named_roles([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
-    if named is None or manifest["source_roles"].get("given"):
-        return {**manifest["source_roles"], "fed_by": "structure"}
-    half = len(named.past) // 2
-    return {"input_ids": named.input_ids, "attention_mask": named.attention_mask, "position_ids": named.position_ids,
-            "logits": named.logits, "past_key": named.past[:half], "past_value": named.past[half:],
-            "present_key": named.present[:half], "present_value": named.present[half:], "fed_by": "names"}
 
 
 def _reference_feed(session: ort.InferenceSession, roles: dict[str, Any], tokens: list[int], valid_len: int,
@@ -120,7 +107,8 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
     runners = {g: PartsRunner(folder, manifest["graphs"][g]) for g in ("prefill", "decode")}
     reference = ort.InferenceSession(str(original))
     ref_outputs = [o.name for o in reference.get_outputs()]
-    source = reference_roles(reference, manifest)
+    source = reference_roles([i.name for i in reference.get_inputs()], ref_outputs,
+                             lambda: manifest["source_roles"], trust_names=not manifest["source_roles"].get("given"))
     roles = manifest["graphs"]["decode"]["roles"]
     cache = {n: np.zeros((1, manifest["kv_heads"], context, manifest["head_dim"]), np.float32)
              for n in roles["past_key"] + roles["past_value"]}
