@@ -21,6 +21,7 @@ import re
 from collections import Counter, deque
 
 from qnnpasses.analysis.graph import GraphView
+from qnnpasses.ir.read import DATA_FIRST_OPS
 
 # Concat: a static-cache graph scores the past and the new keys separately and joins the scores.
 _SCORE_PATH_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Max", "Min", "Clip", "Identity", "Concat"}
@@ -28,9 +29,6 @@ _PROJECTIONS = {"MatMul", "Gemm", "Conv", "MatMulInteger", "QLinearMatMul", "Sof
 _PAST_RE = re.compile(r"past.*?(\d+).*?(key|value)|past_(key|value).*?(\d+)", re.IGNORECASE)
 _FUSED = {"GroupQueryAttention", "MultiHeadAttention", "Attention"}
 _MAX_WALK = 64
-# Ops whose later inputs are shapes, indices or axes: only input 0 carries the data of K.
-_DATA_FIRST = {"Reshape", "Expand", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Tile", "Gather", "Cast",
-               "Flatten", "Pad", "Identity", "Split", "GatherElements", "GatherND"}
 
 
 def _shape(view: GraphView, name: str) -> tuple | None:
@@ -82,7 +80,7 @@ def kv_heads_from_key(view: GraphView, key: str, head_dim: int) -> tuple[int | N
         if heads is not None:
             return heads, f"reshape {view.nodes[node].name}"
         data = _activation_inputs(view, node)
-        if view.nodes[node].op in _DATA_FIRST:
+        if view.nodes[node].op in DATA_FIRST_OPS:
             first = view.nodes[node].inputs[0].name if view.nodes[node].inputs else None
             data = [first] if first in view.tensors else []
         for prev in data:

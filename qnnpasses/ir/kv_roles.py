@@ -34,6 +34,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.attention import find_score_region
+from qnnpasses.ir.read import DATA_FIRST_OPS
 
 _FLOAT = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 
@@ -110,9 +111,6 @@ def _cache_entries(graph: gs.Graph) -> list[CacheEntry]:
     return entries
 
 
-# ops whose later inputs are shapes, indices or axes: only input 0 carries the cached data
-_DATA_FIRST = {"Reshape", "Expand", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Tile", "Gather", "Cast",
-               "Flatten", "Pad", "Identity", "Split"}
 _WALK_LIMIT = 24
 
 
@@ -133,7 +131,7 @@ def _cache_reached(tensor: gs.Tensor, presents: dict[int, CacheEntry]) -> list[C
         node = current.inputs[0] if current.inputs else None
         if node is None or node.op in ("MatMul", "Gemm", "Softmax", "Shape", "Size"):
             continue
-        data = node.inputs[:1] if node.op in _DATA_FIRST else node.inputs
+        data = node.inputs[:1] if node.op in DATA_FIRST_OPS else node.inputs
         queue.extend((t, depth + 1) for t in data if t is not None and not isinstance(t, gs.Constant))
     return found
 

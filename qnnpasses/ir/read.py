@@ -13,6 +13,11 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import DerivedValues
 
+#: Ops whose inputs after the first are shapes, indices, axes or sizes: only input 0 carries data
+#: (a walk along a tensor's values follows input 0 of these and every input of other ops).
+DATA_FIRST_OPS = frozenset({"Reshape", "Expand", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Tile", "Gather",
+                            "Cast", "Flatten", "Pad", "Identity", "Split", "GatherElements", "GatherND"})
+
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
     """The node that computes ``tensor`` (None for graph inputs and constants)."""
