@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
     _fewer_collections()
+    _clear_backend_log()
     try:
         return _run(args)
     except BrokenPipeError:
@@ -151,6 +152,14 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):
         pass
+
+
+def _clear_backend_log() -> None:
+    """Forget backend lines logged before this command (by earlier work in the same process), so the
+    summary after it speaks of this command only."""
+    htp = sys.modules.get("qnnpasses.backends.htp")
+    if htp is not None:
+        del htp.BACKEND_LOG[:]
 
 
 def _report_backend_log(verbose: bool) -> None:
