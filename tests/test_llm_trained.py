@@ -71,3 +71,69 @@ def test_smollm2_pair_generates_the_originals_tokens_on_the_htp_fp16(smollm2_pai
     agree = forced.argmax(-1) == fp32.argmax(-1)
     assert agree.size == PROMPT_TOKENS + NEW - 1
     assert agree.mean() >= 0.98, [(int(i), float(margin[i])) for i in np.flatnonzero(~agree)]
+
+
+# --------------------------------------------------------------------------- text in, text out
+
+
+@pytest.fixture(scope="module")
+def smollm2_text_bundle(tmp_path_factory):
+    """Trained SmolLM2 as a user's Hugging Face folder (default attention, tokenizer files beside
+    model.onnx: the ``hf`` export) -> a bundle that carries the tokenizer; transformers' results."""
+    try:
+        record = tf.ensure_built("smollm2_135m", tf.HF_EXPORTER)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    import qnnpasses.passes  # noqa: F401 - registers the passes
+
+    from qnnpasses.llm.convert import build
+
+    folder = tf.hf_model_path(tf.SPECS["smollm2_135m"], tf.DEFAULT_CACHE).parent
+    out = tmp_path_factory.mktemp("smollm2_text") / "bundle"
+    build(folder, out, context=CONTEXT, prefill=PREFILL, compile=False, probe=False)
+    return out, record["exports"][tf.HF_EXPORTER]["text"]
+
+
+def _generate(capsys, bundle, *args) -> dict:
+    import json
+
+    from qnnpasses.cli import main as cli_main
+
+    assert cli_main(["generate", str(bundle), *map(str, args), "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _leading(a: list[int], b: list[int]) -> int:
+    from qnnpasses.llm.reference import leading_matches
+
+    return leading_matches(a, b)
+
+
+def test_smollm2_prompt_text_gives_transformers_tokens_on_the_cpu(smollm2_text_bundle, capsys):
+    bundle, hf = smollm2_text_bundle
+    report = _generate(capsys, bundle, "--prompt", hf["prompt"], "--max-new-tokens", 16, "--on", "cpu")
+    assert report["prompt_ids"] == hf["prompt_ids"]
+    assert _leading(report["tokens"], hf["greedy"][:16]) >= 14, (report["tokens"], hf["greedy"])
+    assert "Paris" in report["text"]
+    # transformers' generate() stopped at the end of sequence (its 30th token); so does generate
+    assert hf["greedy"][-1] == hf["eos_token_id"] and len(hf["greedy"]) < 40
+    report = _generate(capsys, bundle, "--prompt", hf["prompt"], "--max-new-tokens", 40, "--on", "cpu")
+    assert report["stopped"] == "eos" and report["tokens"][-1] == hf["eos_token_id"]
+    assert _leading(report["tokens"], hf["greedy"]) >= len(hf["greedy"]) - 2
+
+
+def test_smollm2_chat_prompt_is_transformers_and_sampling_is_seeded(smollm2_text_bundle, capsys):
+    bundle, hf = smollm2_text_bundle
+    args = ["--prompt", hf["chat_message"], "--chat", "--max-new-tokens", 8, "--on", "cpu"]
+    report = _generate(capsys, bundle, *args)
+    assert report["prompt_ids"] == hf["chat_prompt_ids"]
+    sampled = [_generate(capsys, bundle, *args, "--temperature", "0.8", "--top-p", "0.9", "--seed", 3)["tokens"]
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) >= 1
+
+
+def test_smollm2_prompt_text_on_the_htp(smollm2_text_bundle, capsys):
+    bundle, hf = smollm2_text_bundle
+    report = _generate(capsys, bundle, "--prompt", hf["prompt"], "--max-new-tokens", 32, "--on", "htp")
+    want = min(30, len(hf["greedy"]))
+    assert _leading(report["tokens"], hf["greedy"]) >= want, (report["tokens"], hf["greedy"])

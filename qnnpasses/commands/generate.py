@@ -1,8 +1,15 @@
-"""``qnnpasses generate``: greedy generation with a prefill + decode pair written by ``qnnpasses llm``."""
+"""``qnnpasses generate``: text (or token ids) in, text out, with a bundle written by ``qnnpasses llm``.
+
+``--prompt`` is tokenized with the bundle's own tokenizer (``--chat``: through its chat template,
+as transformers renders it); tokens are chosen greedily or sampled (:mod:`qnnpasses.llm.sampling`),
+generation stops at the model's end-of-sequence ids or ``--max-new-tokens``, and the text streams
+to the terminal as it comes.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from qnnpasses.commands.common import add_format_arg
@@ -11,16 +18,29 @@ from qnnpasses.errors import BadInputError
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "generate", help="generate tokens greedily with the prefill + decode pair in DIR (static KV cache)")
+        "generate", help="generate text (or token ids) with the prefill + decode bundle in DIR (static KV cache)")
     parser.add_argument("dir", metavar="DIR", help="folder written by 'qnnpasses llm' (holds llm.json)")
-    parser.add_argument("--prompt-ids", required=True, metavar="1,2,3", help="prompt token ids, comma-separated")
-    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="T", help="tokens to generate (default 32)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenized with the bundle's tokenizer")
+    prompt.add_argument("--prompt-ids", metavar="1,2,3", help="prompt token ids, comma-separated")
+    parser.add_argument("--chat", action="store_true",
+                        help="--prompt is a user message: wrap it in the model's chat template (assistant turn opened)")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
+    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="T", help="tokens to generate at most (default 32)")
+    parser.add_argument("--temperature", type=float, metavar="T",
+                        help="sample with this temperature (default 0: greedy; 1 when only --top-k/--top-p are given)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="sample among the most likely tokens holding probability P, in (0, 1] (default 1: all)")
+    parser.add_argument("--seed", type=int, metavar="N", help="seed of the sampler: the same seed gives the same tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens")
     parser.add_argument("--on", choices=("htp", "cpu"), default="htp",
                         help="htp: the compiled context models (else the .onnx graphs) on the QNN HTP backend, "
                              "CPU fallback disabled; cpu: the .onnx graphs on onnxruntime CPU")
-    parser.add_argument("--compare", metavar="ORIGINAL.onnx",
-                        help="also run the original dynamic-KV export greedily on onnxruntime CPU (fp32): "
-                             "identical leading tokens and teacher-forced top-1 agreement")
+    parser.add_argument("--compare", metavar="ORIGINAL",
+                        help="also run the original dynamic-KV export (a .onnx file or the folder holding it) greedily "
+                             "on onnxruntime CPU (fp32) on the same prompt: identical leading tokens and "
+                             "teacher-forced top-1 agreement")
     add_format_arg(parser)
     parser.set_defaults(func=main)
 
@@ -56,19 +76,87 @@ def compare(runner: Any, reference: Any, prompt: list[int], tokens: list[int]) -
     return result
 
 
+def sampling_options(args) -> Any:
+    from qnnpasses.llm.sampling import SamplingError, SamplingOptions
+
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 1.0 if (args.top_k or args.top_p != 1.0) else 0.0
+    try:
+        return SamplingOptions(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except SamplingError as exc:
+        raise BadInputError(str(exc)) from None
+
+
+def _check_args(args, sampling: Any) -> None:
+    if args.max_new_tokens < 0:
+        raise BadInputError("--max-new-tokens must not be negative")
+    if args.chat and args.prompt is None:
+        raise BadInputError("--chat applies the chat template to --prompt TEXT (not to --prompt-ids)")
+    if args.system is not None and not args.chat:
+        raise BadInputError("--system is a chat message: give --chat too")
+    if args.compare and not sampling.greedy:
+        raise BadInputError("--compare checks greedy generation: drop --temperature/--top-k/--top-p")
+
+
+def _bundle_tokenizer(runner: Any, needed: bool) -> Any:
+    """The bundle's tokenizer (None when it has none and ``needed`` is false)."""
+    from pathlib import Path
+
+    from qnnpasses.llm.tokenizer import TextTokenizer, TokenizerError
+
+    entry = runner.manifest.get("tokenizer")
+    if not entry:
+        if needed:
+            raise BadInputError(f"{runner.manifest['dir']}: the bundle has no tokenizer (rebuild it with "
+                                "'qnnpasses llm ... --tokenizer-dir DIR', DIR holding the model's tokenizer.json)")
+        return None
+    try:
+        return TextTokenizer(Path(runner.manifest["dir"]))
+    except TokenizerError as exc:
+        raise BadInputError(f"{runner.manifest['dir']}: {exc}") from None
+
+
+def _prompt_ids(args, text: Any) -> list[int]:
+    from qnnpasses.llm.tokenizer import TokenizerError
+
+    if args.prompt_ids is not None:
+        return parse_ids(args.prompt_ids)
+    try:
+        ids = text.encode_chat(args.prompt, args.system) if args.chat else text.encode(args.prompt)
+    except TokenizerError as exc:
+        raise BadInputError(str(exc)) from None
+    if not ids:
+        raise BadInputError("--prompt encodes to no tokens")
+    return ids
+
+
 def main(args) -> int:
     from qnnpasses.llm.reference import ReferenceModel
     from qnnpasses.llm.runner import Runner, RunnerError
+    from qnnpasses.llm.sampling import Sampler
+    from qnnpasses.llm.source import model_file
+    from qnnpasses.llm.tokenizer import StreamDecoder
 
-    prompt = parse_ids(args.prompt_ids)
-    if args.max_new_tokens < 0:
-        raise BadInputError("--max-new-tokens must not be negative")
+    sampling = sampling_options(args)
+    _check_args(args, sampling)
+    if args.prompt_ids is not None:
+        parse_ids(args.prompt_ids)  # refuse bad ids before loading anything
     try:
         runner = Runner(args.dir, on=args.on)
-        runner.check_prompt(prompt)
-        reference = ReferenceModel(args.compare) if args.compare else None
-        result = runner.generate(prompt, args.max_new_tokens)
-        report = result.as_dict()
+        text = _bundle_tokenizer(runner, needed=args.prompt is not None)
+        prompt = runner.check_prompt(_prompt_ids(args, text))
+        reference = ReferenceModel(model_file(args.compare)) if args.compare else None
+        stream = StreamDecoder(text) if text is not None and args.format == "text" else None
+        on_token = (lambda token: _write(stream.push(token))) if stream is not None else None
+        stop = [] if args.ignore_eos or text is None else runner.manifest["tokenizer"]["eos_token_ids"]
+        result = runner.generate(prompt, args.max_new_tokens, choose=Sampler(sampling), stop_ids=stop,
+                                 on_token=on_token)
+        if stream is not None:
+            _write(stream.flush() + "\n")
+        report = {"prompt_ids": prompt, **result.as_dict(), "sampling": sampling.as_dict()}
+        if text is not None:
+            report["text"] = text.decode(result.tokens)
         if reference is not None:
             report["compare"] = compare(runner, reference, prompt, result.tokens)
     except RunnerError as exc:
@@ -78,23 +166,40 @@ def main(args) -> int:
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
-        print(render(report))
+        print(render(report, streamed=stream is not None))
     return 0
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f} s"
 
 
-def render(report: dict[str, Any]) -> str:
-    stopped = "" if report["stopped"] == "max_new_tokens" else ", stopped: the context is full"
-    lines = [f"new tokens ({len(report['tokens'])}{stopped}): {' '.join(map(str, report['tokens']))}"]
+STOPPED = {"max_new_tokens": "", "eos": ", stopped at end of sequence", "context_full": ", stopped: the context is full"}
+
+
+def _rate(value: float | None) -> str:
+    return "- tokens/s" if value is None else f"{value:.1f} tokens/s"
+
+
+def render(report: dict[str, Any], streamed: bool = False) -> str:
+    """The summary after a generation; ``streamed``: the text was already printed, so the ids are not."""
+    count = len(report["tokens"])
+    lines = [] if streamed else [f"new tokens ({count}{STOPPED[report['stopped']]}): {' '.join(map(str, report['tokens']))}"]
+    if streamed:
+        lines.append(f"-- {count} new token{'' if count == 1 else 's'}{STOPPED[report['stopped']]}")
     files = ", ".join(f"{name} {'+'.join(parts)}" for name, parts in report["files"].items())
     lines.append(f"on {report['on']} ({files}; context {report['context']}, prefill {report['prefill']}, "
                  f"{report['precision']})")
     lines.append(f"load {_seconds(report['load_seconds'])}; prompt of {report['prompt_tokens']} tokens in "
                  f"{report['prefill_calls']} call(s): {_seconds(report['prefill_seconds'])}; decode "
                  f"{_seconds(report['decode_seconds_per_token'])}/token over {report['decode_calls']} step(s)")
+    lines.append(f"time to first token {_seconds(report['time_to_first_token'])}; decode "
+                 f"{_rate(report['tokens_per_second'])} on this host")
     cmp = report.get("compare")
     if cmp:
         line = (f"vs {cmp['original']} (onnxruntime CPU, fp32): identical leading tokens "

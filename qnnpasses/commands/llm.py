@@ -24,7 +24,8 @@ def _positive_int(text: str) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("llm", help="turn a KV-cache decoder export into a static prefill + decode pair for the HTP")
-    p.add_argument("model", help="decoder exported with past_key_values inputs and present outputs (never modified)")
+    p.add_argument("model", help="decoder exported with past_key_values inputs and present outputs, or the "
+                                 "Hugging Face / Optimum folder holding it (never modified)")
     p.add_argument("--out-dir", dest="out_dir", metavar="DIR", help="folder to write (required)")
     add_deprecated(p, "-o", "out_dir", "--out-dir VALUE")
     p.add_argument("--context", type=_positive_int, required=True, metavar="N", help="cache length (context) in tokens")
@@ -42,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--roles", metavar="ROLE=NAME,...",
                    help="name the export's inputs/outputs where the graph leaves them ambiguous "
                         "(roles: input_ids, attention_mask, position_ids, logits)")
+    p.add_argument("--tokenizer-dir", "--tokenizer", dest="tokenizer", metavar="DIR",
+                   help="folder with the model's tokenizer.json (+ tokenizer_config.json, generation_config.json), "
+                        "copied into the bundle for 'generate --prompt' (default: the model's folder, when it has one)")
     add_format_arg(p)
     p.set_defaults(func=main)
 
@@ -69,7 +73,7 @@ def main(args) -> int:
 
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile,
-                     logits_offset=args.logits_offset, roles=parse_roles(args.roles))
+                     logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer)
     if args.format == "json":
         print(json.dumps(manifest, indent=2))
         return 0
@@ -83,4 +87,10 @@ def render_text(manifest: dict) -> str:
     for name, graph in manifest["graphs"].items():
         files = ", ".join(p["compiled"] or p["onnx"] for p in graph["parts"])
         lines.append(f"  {name}: {graph['tokens']} token(s) after {graph['past']} cache slots -> {files}")
+    text = manifest.get("tokenizer")
+    if text:
+        lines.append(f"  tokenizer: {', '.join(text['files'])} (eos {text['eos_token_ids']}"
+                     f"{', chat template' if text['chat_template'] else ''})")
+    else:
+        lines.append("  tokenizer: none beside the model ('generate --prompt' needs one: give --tokenizer-dir DIR)")
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """Deployable LLMs: a HF-style KV-cache export turned into a static prefill + decode pair.
 
 ``qnnpasses.llm.build(model, out_dir, context=N, prefill=M, ...)`` is ``qnnpasses llm``
-(:func:`qnnpasses.llm.convert.build`); :mod:`.manifest` is the ``llm.json`` a runner follows.
+(:func:`qnnpasses.llm.convert.build`); :mod:`.manifest` is the ``llm.json`` a runner follows,
+:mod:`.runner` the generation loop, :mod:`.tokenizer` the text side of a bundle (tokenizer files,
+chat template, special ids), :mod:`.sampling` the choice of each token.
 """
 
 from __future__ import annotations

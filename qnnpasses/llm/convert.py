@@ -47,6 +47,8 @@ from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
 from qnnpasses.llm.roles import export_roles, lower_contrib, pass_records, roles_dict
+from qnnpasses.llm.source import model_file
+from qnnpasses.llm.tokenizer import COMPANION_FILES, TOKENIZER_FILE, TokenizerError, check_tokenizer, copy_tokenizer, find_tokenizer_dir
 from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
@@ -251,21 +253,31 @@ def _source_roles(roles: Roles, given: dict[str, str]) -> dict[str, Any]:
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
-          logits_offset: bool = True, roles: dict[str, str] | None = None) -> dict[str, Any]:
+          logits_offset: bool = True, roles: dict[str, str] | None = None,
+          tokenizer: str | Path | None = None) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
-    ``roles``: input/output roles the user names (``--roles``), taken over what the graph suggests.
+    ``model``: the export, or the Hugging Face / Optimum folder holding it.  ``roles``:
+    input/output roles the user names (``--roles``), taken over what the graph suggests.
+    ``tokenizer``: the folder with ``tokenizer.json`` (default: the model's folder, when it has
+    one); its files are copied into ``out_dir`` and the manifest records the special ids.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
                          probe, logits_offset)
-    model, out_dir = Path(model), Path(out_dir)
+    model, out_dir = model_file(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
     source = load_model(model)
     given = dict(roles or {})
     roles = export_roles(source, given)
+    try:  # before the slow part: a tokenizer of another model is refused now
+        text_dir = find_tokenizer_dir(model, tokenizer)
+        if text_dir is not None:
+            check_tokenizer(text_dir, int(roles.vocab))
+    except TokenizerError as exc:
+        raise BadInputError(str(exc)) from None
     left = sorted({n.op for n in source.graph.nodes if (n.domain or "") == "com.microsoft"})
     if left:  # e.g. MatMulNBits with accuracy_level=4: its lowering is lossy (htp-llm runs it only with --allow-lossy)
         raise BadInputError(f"the export keeps onnxruntime contrib ops that are not lowered losslessly: {', '.join(left)} "
@@ -281,6 +293,9 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         manifest, report = _build_into(stage, model, source, roles, options, given)
+        if text_dir is not None:
+            manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
+            write_manifest(stage, manifest)
         report["seconds"] = round(time.monotonic() - start, 2)
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         from qnnpasses.llm.report import report_markdown
@@ -304,7 +319,7 @@ def _remove_previous_pair(out_dir: Path) -> None:
     if not (out_dir / "llm.json").is_file():
         return
     for pattern in ("prefill*.onnx*", "decode*.onnx*", "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
-                    "report.md"):
+                    "report.md", TOKENIZER_FILE, *COMPANION_FILES):
         for path in out_dir.glob(pattern):
             if path.is_file():
                 path.unlink()

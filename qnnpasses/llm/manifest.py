@@ -40,7 +40,11 @@ in the original export (``input_ids``, ``attention_mask``, ``position_ids`` or n
 hold past + new; ``given``: those the user named with ``--roles``); ``sliding_window`` -- layer
 index (attention order) -> window for the local layers, whose masks follow the token positions
 (``window-positions``), empty when the model has none; per part ``weight_bytes`` when split;
-per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
+``tokenizer`` -- present when the bundle holds the model's tokenizer (``qnnpasses llm`` copies
+``tokenizer.json`` and its companions from the model's folder or ``--tokenizer-dir DIR``):
+``{"file": "tokenizer.json", "files": [every copied file], "vocab_size": n, "bos_token_id": id or
+null, "eos_token_ids": [ids generation stops at], "pad_token_id": id or null, "chat_template":
+bool}``; per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
 ``{"graph_optimization": "disable_all"}`` -- the compiled models were made, and the graphs
 probed, with onnxruntime's graph optimizations off; a runner creating HTP sessions on the
 ``.onnx`` parts should do the same (onnxruntime otherwise fuses a part's first residual Add into

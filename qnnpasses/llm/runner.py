@@ -13,8 +13,9 @@ graph with ``tokens`` = S and ``past`` = P feeds
 and writes the real tokens' ``new_key[i]`` / ``new_value[i]`` at slots ``valid_len ..``.
 The prompt goes through the prefill graph in chunks of M while a chunk fits
 (``valid_len <= context - M``); what remains, and every generated token, goes through the
-decode graph.  Decoding is greedy and stops after ``max_new_tokens`` or when prompt + new
-tokens fill the context.
+decode graph.  Decoding is greedy unless a sampler chooses the tokens
+(:mod:`qnnpasses.llm.sampling`), and stops after ``max_new_tokens``, at an end-of-sequence id
+(``stop_ids``), or when prompt + new tokens fill the context.
 
 ``on="cpu"`` runs the ``.onnx`` parts on onnxruntime's CPU provider; ``on="htp"`` runs the
 compiled EPContext parts when the manifest names them (else the ``.onnx`` parts) on the QNN
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class Generation:
 
     tokens: list[int]
     prompt_tokens: int
-    stopped: str  # "max_new_tokens" or "context_full"
+    stopped: str  # "max_new_tokens", "eos" or "context_full"
     prefill_calls: int = 0  # graph calls that took the prompt (prefill chunks, then decode steps)
     decode_calls: int = 0  # decode steps for generated tokens
     prefill_seconds: float = 0.0
@@ -64,10 +65,21 @@ class Generation:
     def decode_seconds_per_token(self) -> float | None:
         return self.decode_seconds / self.decode_calls if self.decode_calls else None
 
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Wall seconds from the prompt's first graph call to the first new token (sessions already open)."""
+        return self.prefill_seconds if self.tokens else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Decode speed: generated tokens after the first, per wall second of decode steps."""
+        return self.decode_calls / self.decode_seconds if self.decode_calls and self.decode_seconds > 0 else None
+
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("logits")
-        data["decode_seconds_per_token"] = self.decode_seconds_per_token
+        data.update(decode_seconds_per_token=self.decode_seconds_per_token,
+                    time_to_first_token=self.time_to_first_token, tokens_per_second=self.tokens_per_second)
         return data
 
 
@@ -243,11 +255,18 @@ class Runner:
             raise RunnerError(f"the prompt has {len(ids)} tokens, more than the context ({self.context})")
         return ids
 
-    def generate(self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int, keep_logits: bool = False) -> Generation:
-        """Greedy generation from an empty cache: prefill the prompt, then decode."""
+    def generate(self, prompt_ids: list[int] | np.ndarray, max_new_tokens: int, keep_logits: bool = False, *,
+                 choose: Callable[[np.ndarray], int] | None = None, stop_ids: Iterable[int] = (),
+                 on_token: Callable[[int], None] | None = None) -> Generation:
+        """Generation from an empty cache: prefill the prompt, then decode.
+
+        ``choose`` picks each token from its logits row (default: argmax, greedy); generation stops
+        after a token in ``stop_ids`` (kept in ``tokens``); ``on_token`` sees each token as it comes."""
         ids = self.check_prompt(prompt_ids)
         if max_new_tokens < 0:
             raise RunnerError("max_new_tokens must not be negative")
+        choose = choose or (lambda row: int(np.argmax(row)))
+        stop = {int(t) for t in stop_ids}
         self.open()
         self.reset()
         result = Generation(tokens=[], prompt_tokens=len(ids), stopped="max_new_tokens", on=self.on,
@@ -259,16 +278,23 @@ class Runner:
             return result
         start = time.perf_counter()
         logits, result.prefill_calls = self.feed(ids)
-        result.prefill_seconds = time.perf_counter() - start
         kept = [logits] if keep_logits else []
-        result.tokens.append(int(np.argmax(logits[-1])))
-        while len(result.tokens) < budget:
+        result.tokens.append(choose(logits[-1]))
+        result.prefill_seconds = time.perf_counter() - start
+        while True:
+            if on_token is not None:
+                on_token(result.tokens[-1])
+            if result.tokens[-1] in stop:
+                result.stopped = "eos"
+                break
+            if len(result.tokens) >= budget:
+                break
             start = time.perf_counter()
             logits, _ = self.feed(result.tokens[-1:])
+            result.tokens.append(choose(logits[-1]))
             result.decode_seconds += time.perf_counter() - start
             result.decode_calls += 1
             kept += [logits] if keep_logits else []
-            result.tokens.append(int(np.argmax(logits[-1])))
         if keep_logits:
             result.logits = np.concatenate(kept)
         return result
