@@ -25,6 +25,10 @@ loads and indexes it.  Schema (one table per backend)::
     RULE = {"check": "<kind>", ..., "reason": "...", "source": [probe ids]}
 
 Rule kinds are evaluated by :mod:`qnnpasses.op_support.checker`.
+
+The name ``"htp"`` stands for the table of the target's HTP arch: ``htp.json`` (measured on
+HTP v73, the default target) or ``htp_v<arch>.json`` when the arch has one of its own
+(:func:`use_htp_arch`, called when a command activates its ``--soc`` / ``--htp-arch`` target).
 """
 
 from __future__ import annotations
@@ -43,13 +47,32 @@ def normalize_domain(domain: str | None) -> str:
     return DEFAULT_DOMAIN if domain in (None, "", "ai.onnx") else domain
 
 
+#: The file the name "htp" stands for (see the module docstring).
+_htp_table = "htp"
+
+
+def htp_table_name(arch: int) -> str:
+    """The bundled table for HTP ``arch``: its own when one was measured, else v73's ``htp``."""
+    own = f"htp_v{arch}"
+    return own if (TABLES_DIR / f"{own}.json").is_file() else "htp"
+
+
+def use_htp_arch(arch: int) -> str:
+    """Make ``load_table("htp")`` return the table for HTP ``arch``; the table's name."""
+    global _htp_table
+    _htp_table = htp_table_name(arch)
+    return _htp_table
+
+
 @cache
 def _load(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
 def load_table(name_or_path: str | Path = "htp") -> dict[str, Any]:
-    """A table by backend name ("htp") or path.  Cached: treat the result as read-only."""
+    """A table by backend name ("htp": the active arch's) or path.  Cached: treat the result as read-only."""
+    if name_or_path == "htp":
+        name_or_path = _htp_table
     if isinstance(name_or_path, str) and name_or_path in _BY_NAME:  # passes ask per match: no path work
         return _BY_NAME[name_or_path]
     path = Path(name_or_path)

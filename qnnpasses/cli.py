@@ -19,6 +19,9 @@ COMMANDS = ("run", "passes", "pipelines", "check", "lint", "diagnose", "analyze"
             "compile", "quantize", "sweep", "llm", "generate")
 #: Modules of qnnpasses/commands that are helpers, not commands.
 HELPERS = ("common",)
+#: Commands that talk to the HTP backend: they take --soc / --htp-arch (qnnpasses.backends.targets).
+BACKEND_COMMANDS = ("run", "check", "lint", "diagnose", "compare", "partition", "compile", "quantize", "sweep", "llm",
+                    "generate")
 
 
 def command_names() -> list[str]:
@@ -83,7 +86,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             sub.formatter_class = _Formatter
             sub.add_argument("-v", "--verbose", action="store_true",
                              help="also print the backend's own log lines (onnxruntime, QNN)")
+            if added in BACKEND_COMMANDS:
+                from qnnpasses.commands.common import add_target_args
+
+                add_target_args(sub)
     return parser
+
+
+def _activate_target(args) -> None:
+    """The target the command's backend sessions name (default: X Elite; for generate: its bundle's)."""
+    if not hasattr(args, "soc"):
+        return
+    from qnnpasses.backends.htp import check_target
+    from qnnpasses.backends.targets import activate, resolve
+
+    args.target_given = args.soc is not None or args.htp_arch is not None
+    target = resolve(args.soc, args.htp_arch)
+    if args.target_given:
+        check_target(target)
+    activate(target)
 
 
 def _fewer_collections() -> None:
@@ -108,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     _fewer_collections()
     _clear_backend_log()
     try:
+        _activate_target(args)
         return _run(args)
     except BrokenPipeError:
         # the reader went away (`qnnpasses lint ... | head`): stop quietly, like any Unix tool

@@ -574,9 +574,9 @@ def _speed_rows(doc: dict[str, Any]) -> list[str]:
 
 
 def _htp_target() -> tuple[str, str]:
-    from qnnpasses.backends.htp import HTP_ARCH, SOC_MODEL
+    from qnnpasses.backends.targets import active
 
-    return SOC_MODEL, HTP_ARCH
+    return str(active().soc_model), str(active().htp_arch)
 
 
 def _quant_note(doc: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@
     python tools/probe_htp.py --suite build      # -> tools/probe_results/htp_build.jsonl
     python tools/probe_htp.py --suite holdout    # -> tools/probe_results/htp_holdout.jsonl
     python tools/probe_htp.py --suite build --only Softmax,Gather --out /tmp/x.jsonl
+    python tools/probe_htp.py --suite build --soc 8gen3   # -> tools/probe_results/htp_build.v75.jsonl
 
 Each probe is one ONNX model with one node (see ``tools/probe_catalog.py``), run through
 :func:`qnnpasses.backends.htp.probe_placement` in fp16 mode with onnxruntime's own graph
@@ -11,7 +12,9 @@ optimizations off (so the EP sees the node as written: no constant folding of Sh
 Range, no fusion).  The record is the probe spec plus ``verdict`` — ``htp`` (the EP took
 the node and the graph finalized and ran), ``cpu`` (the EP rejected it; it falls back to
 the CPU EP) or ``error`` (the EP took it but finalize/run failed) — with the reason and
-the composed QNN ops.  Every probe is its own child process; two run at a time.
+the composed QNN ops.  Every probe is its own child process; two run at a time.  ``--soc`` names
+the target (:mod:`qnnpasses.backends.targets`; default: Snapdragon X Elite, HTP v73) the probes
+are prepared for; results for another target go to ``htp_<suite>.v<arch>.jsonl``.
 """
 
 from __future__ import annotations
@@ -113,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, help="output file (default: tools/probe_results/htp_<suite>.jsonl; "
                         "with --only, records in the default file are updated in place)")
+    parser.add_argument("--soc", help="target SoC (default: the X Elite, the bundled table's target)")
     args = parser.parse_args(argv)
+    from qnnpasses.backends.targets import DEFAULT, activate, resolve
+
+    target = activate(resolve(args.soc))
+    suffix = "" if target == DEFAULT else f".v{target.htp_arch}"
     if not htp_available():
         print("onnxruntime-qnn is not available", file=sys.stderr)
         return 2
@@ -121,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     for suite in list(SUITES) if args.suite == "all" else [args.suite]:
         all_specs = suite_specs(suite)
         specs = [s for s in all_specs if wanted is None or s.id.split("/")[1].split("@")[0] in wanted]
-        out = args.out or RESULTS_DIR / f"htp_{suite}.jsonl"
+        out = args.out or RESULTS_DIR / f"htp_{suite}{suffix}.jsonl"
         previous = _read(out) if wanted and args.out is None and out.exists() else None
-        print(f"suite {suite}: {len(specs)} probes -> {out}" + (" (update)" if previous else ""), file=sys.stderr)
+        print(f"suite {suite}: {len(specs)} probes for {target} -> {out}" + (" (update)" if previous else ""),
+              file=sys.stderr)
         records = run_suite(specs, out, jobs=args.jobs)
         if previous:
             _merge(out, records, order=[s.id for s in all_specs], previous=previous)

@@ -200,7 +200,8 @@ def measure(cell: str, data: Path, windows: range) -> dict:
     """Quantize (cached) and run ``windows`` of the held-out set on the HTP; per-window statistics."""
     import onnxruntime as ort
 
-    from qnnpasses.backends.htp import HTP_ARCH, SOC_MODEL, parse_profile
+    from qnnpasses.backends.htp import parse_profile
+    from qnnpasses.backends.targets import active
     from qnnpasses.quant.evaluate import HTP_INT_OPTIONS, htp_int_session
 
     name, _, _ = parse_cell(cell)
@@ -223,7 +224,7 @@ def measure(cell: str, data: Path, windows: range) -> dict:
             per[str(i)] = window_stats(name, ref, got, feed, ev["labels"][i:i + 1] if "labels" in ev else None)
         partitions, cpu_nodes = parse_profile(session.end_profiling())
     return {"cell": cell, "record": record, "windows": per, "qnn_partitions": partitions, "cpu_nodes": len(cpu_nodes),
-            "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH, "provider_options": HTP_INT_OPTIONS,
+            "soc_model": str(active().soc_model), "htp_arch": str(active().htp_arch), "provider_options": HTP_INT_OPTIONS,
             "session_seconds": round(t1 - t0, 1), "run_seconds": round(time.monotonic() - t1, 1)}
 
 

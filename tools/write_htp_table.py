@@ -3,6 +3,7 @@
 
     python tools/write_htp_table.py            # write the table, then report its fit
     python tools/write_htp_table.py --explain Gather   # per-dtype/rank/knob verdicts of one op
+    python tools/write_htp_table.py --htp-arch v75     # htp_v75.json from htp_build.v75.jsonl
 
 What is measured is derived mechanically from ``tools/probe_results/htp_build.jsonl``:
 which dtypes each input/output position takes on HTP, the highest rank that ran, the QNN
@@ -11,6 +12,11 @@ attribute constraints, constant-input requirements, dtype combinations — is wr
 down in ``CONSTRAINTS`` below, each with the reason the backend gave; the script then
 checks the finished table against every build probe and prints the misfits, so a wrong
 constraint shows up here before the holdout test sees it.
+
+``--htp-arch vNN`` writes ``op_support/tables/htp_vNN.json`` from the same suite probed for a
+target of that arch (``python tools/probe_htp.py --suite build --soc ...``); the rules learned
+from ONNX's backend node tests (``learn_from_node_tests``) were measured on v73 and are applied
+to every arch.
 """
 
 from __future__ import annotations
@@ -288,8 +294,8 @@ def learn_dtypes_from_node_tests(ops: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- loading & grouping
 
 
-def load(suite: str) -> list[dict[str, Any]]:
-    path = RESULTS / f"htp_{suite}.jsonl"
+def load(suite: str, suffix: str = "") -> list[dict[str, Any]]:
+    path = RESULTS / f"htp_{suite}{suffix}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -525,10 +531,13 @@ GLOBAL: dict[str, Any] = {
 }
 
 
-def build_table(records: list[dict[str, Any]]) -> dict[str, Any]:
+def build_table(records: list[dict[str, Any]], target: Any = None) -> dict[str, Any]:
+    """The table for ``target`` (default: the default target, X Elite / v73) from its probe records."""
     import onnxruntime
     import onnxruntime_qnn
+    from qnnpasses.backends.targets import DEFAULT
 
+    target = target or DEFAULT
     facts = {r["id"]: node_facts(r) for r in records}
     by_op: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -539,8 +548,8 @@ def build_table(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "backend": "htp",
         "qnn_version": "2.40",
-        "htp_arch": "v73",
-        "soc_model": 60,
+        "htp_arch": f"v{target.htp_arch}",
+        "soc_model": target.soc_model,
         "precision": "fp16 mode (enable_htp_fp16_precision=1): float32 tensors are accepted and computed in fp16",
         "measured_with": f"onnxruntime {onnxruntime.__version__} + onnxruntime-qnn {onnxruntime_qnn.__version__}, "
                          "graph optimizations off, one node per model (tools/probe_htp.py, suite 'build')",
@@ -574,17 +583,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--explain", metavar="OP", help="print verdict breakdowns of one op and exit")
     parser.add_argument("--suite", default="build")
+    parser.add_argument("--htp-arch", help="the arch whose probe results to read (default v73: htp.json)")
     args = parser.parse_args(argv)
-    records = load(args.suite)
+    from qnnpasses.backends.targets import DEFAULT, resolve
+
+    target = resolve(htp_arch=args.htp_arch) if args.htp_arch else DEFAULT
+    suffix = "" if target.htp_arch == DEFAULT.htp_arch else f".v{target.htp_arch}"
+    table_path = TABLE if not suffix else TABLE.with_name(f"htp_v{target.htp_arch}.json")
+    records = load(args.suite, suffix)
     if args.explain:
         print(explain(records, args.explain))
         return 0
-    table = build_table(records)
+    table = build_table(records, target)
     learn_from_node_tests(table)
-    TABLE.parent.mkdir(parents=True, exist_ok=True)
-    TABLE.write_text(json.dumps(table, indent=1) + "\n")
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
     misfits = fit(table, records)
-    print(f"wrote {TABLE}: {sum(len(v) for v in table['ops'].values())} ops; "
+    print(f"wrote {table_path}: {sum(len(v) for v in table['ops'].values())} ops; "
           f"fit on {args.suite}: {1 - len(misfits) / len(records):.1%} ({len(misfits)} misfits)")
     for m in misfits:
         print("  " + m)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -41,9 +42,6 @@ import onnxruntime as ort
 
 ModelArg = Union[str, bytes, "os.PathLike[str]"]
 
-#: Snapdragon X Elite (SC8380XP, Hexagon v73): the target the tables were measured for.
-SOC_MODEL = "60"
-HTP_ARCH = "73"
 EP_NAME = "QNNExecutionProvider"
 
 _register_lock = threading.Lock()
@@ -152,13 +150,20 @@ def htp_available() -> bool:
     return htp_status()[0] == AVAILABLE
 
 
-def provider_options(*, fp16: bool = True, backend: str = "htp", extra_options: dict | None = None) -> dict[str, str]:
-    """QNN EP provider options for ``backend``: "htp", or QNN's "cpu" / "gpu" backends (for comparison)."""
+def provider_options(*, fp16: bool = True, backend: str = "htp", extra_options: dict | None = None,
+                     target: Any = None) -> dict[str, str]:
+    """QNN EP provider options for ``backend``: "htp", or QNN's "cpu" / "gpu" backends (for comparison).
+
+    ``target``: the :class:`~qnnpasses.backends.targets.Target` to name (default: the active one)."""
+    from qnnpasses.backends.targets import active
+
     oq = _qnn_module()
     if backend == "htp":
         # the target is named in both precisions: without it quantized graphs fail to finalize
         # (QNN_COMMON_ERROR_MEM_ALLOC) and context binaries are prepared for no SoC in particular
-        opts = {"backend_path": oq.get_qnn_htp_path(), "soc_model": SOC_MODEL, "htp_arch": HTP_ARCH}
+        target = target or active()
+        opts = {"backend_path": oq.get_qnn_htp_path(), "soc_model": str(target.soc_model),
+                "htp_arch": str(target.htp_arch)}
         if fp16:
             opts["enable_htp_fp16_precision"] = "1"
     elif backend in ("cpu", "gpu"):
@@ -167,6 +172,45 @@ def provider_options(*, fp16: bool = True, backend: str = "htp", extra_options: 
         raise ValueError(f"unknown QNN backend {backend!r} (expected 'htp', 'cpu' or 'gpu')")
     opts.update({k: str(v) for k, v in (extra_options or {}).items()})
     return opts
+
+
+@functools.lru_cache(maxsize=None)
+def _target_refusal(target: Any) -> str | None:
+    """None when the HTP backend prepares a three-node float graph for ``target`` with CPU fallback
+    off; else the backend's first error line."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], np.eye(8, dtype=np.float32).ravel())
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["m"]),
+                               helper.make_node("Softmax", ["m"], ["s"], axis=-1),
+                               helper.make_node("Mul", ["s", "x"], ["y"])], "target_probe", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    try:
+        htp_session(model.SerializeToString(), fp16=True, disable_cpu_fallback=True, target=target)
+    except Exception as exc:  # noqa: BLE001 - the backend's refusal, reported as one line
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+def check_target(target: Any) -> None:
+    """BadInputError when the HTP backend installed here does not accept ``target``; nothing when
+    it does, or when there is no backend to ask (the commands that need one say so themselves)."""
+    from qnnpasses.backends.targets import DEFAULT
+    from qnnpasses.errors import BadInputError
+
+    if target == DEFAULT or not htp_available():
+        return
+    error = _target_refusal(target)
+    if error is not None:
+        import importlib.metadata
+
+        version = importlib.metadata.version("onnxruntime-qnn")
+        raise BadInputError(f"the HTP backend here (onnxruntime-qnn {version}) does not accept {target}: "
+                            "it leaves every node to the CPU")
 
 
 def htp_session(
@@ -181,6 +225,7 @@ def htp_session(
     backend: str = "htp",
     profile_prefix: str | None = None,
     session_config: dict[str, str] | None = None,
+    target: Any = None,
 ) -> ort.InferenceSession:
     """An onnxruntime session with the QNN EP first and the CPU EP as fallback.
 
@@ -192,7 +237,8 @@ def htp_session(
     (the backend's own ``<E>`` diagnostics appear only if the default logger was already
     verbose when the EP library registered — the probe child does that first).  ``optimize=False`` disables onnxruntime's
     graph optimizations so the EP sees the graph as written (no constant folding/fusion).
-    ``session_config`` adds session config entries (e.g. ``ep.context_enable``).
+    ``session_config`` adds session config entries (e.g. ``ep.context_enable``).  ``target``:
+    the device to name (default: the active target, :mod:`qnnpasses.backends.targets`).
     """
     devices = _qnn_devices()
     if not devices:
@@ -212,7 +258,8 @@ def htp_session(
     if profiling:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix or os.path.join(tempfile.gettempdir(), "qnnpasses_htp_profile")
-    so.add_provider_for_devices(devices, provider_options(fp16=fp16, backend=backend, extra_options=extra_options))
+    so.add_provider_for_devices(devices, provider_options(fp16=fp16, backend=backend, extra_options=extra_options,
+                                                                 target=target))
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     from qnnpasses.progress import step

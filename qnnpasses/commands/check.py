@@ -51,6 +51,7 @@ def main(args) -> int:
         "summary": summarize(ir.graph, results).to_dict(),
     }
     report["summary"]["view"] = "as written" if args.as_written or view.ir is None else "onnxruntime"
+    _add_target(report["summary"], args.backend)
     report["folded"] = view.folded
     if view.note:
         report["summary"]["view_note"] = view.note
@@ -66,6 +67,21 @@ def main(args) -> int:
     else:
         print(render_text(args.model, report))
     return 0
+
+
+def _add_target(summary: dict[str, Any], backend: str) -> None:
+    """The device checked for, and the one the op-support table was measured on when they differ."""
+    from qnnpasses.backends.targets import active
+    from qnnpasses.op_support import load_table
+
+    target = active()
+    summary["target"] = target.as_dict()
+    table = load_table(backend)
+    if backend == "htp" and (str(table.get("soc_model")), str(table.get("htp_arch")).lstrip("v")) != (
+            str(target.soc_model), str(target.htp_arch)):
+        summary["table_note"] = (f"the predictions come from the op-support table measured on soc_model "
+                                 f"{table.get('soc_model')} / HTP {table.get('htp_arch')}; --on htp asks the backend "
+                                 f"for {target}")
 
 
 def cause(ir, verdict) -> str | None:
@@ -157,6 +173,8 @@ def render_text(model: str, report: dict[str, Any]) -> str:
                 lines.append(f"  {CAUSES[key]}: {ops}")
     if s.get("view_note"):
         lines.append(f"note: {s['view_note']}")
+    if s.get("table_note"):
+        lines.append(f"note: {s['table_note']}")
     written = s.get("as_written")
     if written is not None and report.get("folded"):
         lines.append(f"checked as the backend is handed it: onnxruntime folds {len(report['folded'])} node(s) on load "

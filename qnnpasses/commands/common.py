@@ -57,6 +57,19 @@ def add_format_arg(parser, choices=("text", "json")) -> None:
                              + f" (default {choices[0]})")
 
 
+def add_target_args(parser) -> None:
+    """``--soc`` / ``--htp-arch``, from the one registry of targets (:mod:`qnnpasses.backends.targets`)."""
+    from qnnpasses.backends.targets import ARCHS, DEFAULT, TARGETS
+
+    names = ", ".join(f"{t.name} ({t.part})" for t in TARGETS)
+    parser.add_argument("--soc", metavar="NAME",
+                        help=f"the device to target, by name or part number: {names} "
+                             f"(default {DEFAULT.name})")
+    parser.add_argument("--htp-arch", metavar="vNN",
+                        help=f"the Hexagon HTP arch ({', '.join(f'v{a}' for a in ARCHS)}); "
+                             "alone it picks the first SoC of that arch")
+
+
 def add_shape_arg(parser) -> None:
     parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...",
                         help="give an input with symbolic dimensions a static shape (repeatable)")

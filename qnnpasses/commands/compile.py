@@ -61,6 +61,9 @@ def main(args) -> int:
         report = compile_and_verify(path, args.output, mode=args.mode, embed=embed, inputs=inputs,
                                     calibration=calibration, measure=not args.no_timing)
     report["model"] = args.model
+    from qnnpasses.backends.targets import active
+
+    report["target"] = active().as_dict()
     print(json.dumps(report, indent=2, default=str) if args.format == "json" else render_text(report))
     if not report.get("compile", {}).get("ok"):
         raise CheckFailedError(f"compile failed: {report['compile'].get('error')}")
@@ -73,8 +76,10 @@ def main(args) -> int:
 def render_text(report: dict) -> str:
     c = report.get("context", {})
     where = "embedded" if report["compile"].get("embedded") else "beside the model"
+    target = report.get("target") or {}
     head = (f"{report['output']}: {c.get('epcontext_nodes', 0)} EPContext node(s), {c.get('other_nodes', 0)} other "
-            f"node(s) ({report['mode']}, context binary {where})")
+            f"node(s) ({report['mode']}, context binary {where}; for {target.get('product', '?')}, "
+            f"HTP {target.get('htp_arch', '?')})")
     lines = [head]
     if report.get("calibration_samples"):
         lines.append(f"  quantized (QDQ) with {report['calibration_samples']} calibration sample(s) from "

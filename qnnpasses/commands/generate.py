@@ -143,7 +143,7 @@ def main(args) -> int:
     if args.prompt_ids is not None:
         parse_ids(args.prompt_ids)  # refuse bad ids before loading anything
     try:
-        runner = Runner(args.dir, on=args.on)
+        runner = Runner(args.dir, on=args.on, target=_given_target(args))
         text = _bundle_tokenizer(runner, needed=args.prompt is not None)
         prompt = runner.check_prompt(_prompt_ids(args, text))
         reference = ReferenceModel(model_file(args.compare)) if args.compare else None
@@ -162,12 +162,20 @@ def main(args) -> int:
     except RunnerError as exc:
         raise BadInputError(str(exc)) from None
     report.update(context=runner.context, prefill=runner.graphs["prefill"].tokens,
-                  precision=runner.manifest.get("precision"), weight_sharing=runner.manifest.get("weight_sharing"))
+                  precision=runner.manifest.get("precision"), weight_sharing=runner.manifest.get("weight_sharing"),
+                  target=runner.target.as_dict())
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
         print(render(report, streamed=stream is not None))
     return 0
+
+
+def _given_target(args) -> Any:
+    """The target --soc / --htp-arch named (None: the one the bundle records)."""
+    from qnnpasses.backends.targets import active
+
+    return active() if getattr(args, "target_given", False) else None
 
 
 def _write(piece: str) -> None:
@@ -193,7 +201,8 @@ def render(report: dict[str, Any], streamed: bool = False) -> str:
     if streamed:
         lines.append(f"-- {count} new token{'' if count == 1 else 's'}{STOPPED[report['stopped']]}")
     files = ", ".join(f"{name} {'+'.join(parts)}" for name, parts in report["files"].items())
-    lines.append(f"on {report['on']} ({files}; context {report['context']}, prefill {report['prefill']}, "
+    where = f"{report['on']}, {report['target']['product']}" if report["on"] == "htp" else report["on"]
+    lines.append(f"on {where} ({files}; context {report['context']}, prefill {report['prefill']}, "
                  f"{report['precision']})")
     lines.append(f"load {_seconds(report['load_seconds'])}; prompt of {report['prompt_tokens']} tokens in "
                  f"{report['prefill_calls']} call(s): {_seconds(report['prefill_seconds'])}; decode "

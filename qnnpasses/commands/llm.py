@@ -82,11 +82,16 @@ def main(args) -> int:
 
 
 def render_text(manifest: dict) -> str:
+    target = manifest.get("target") or {}
     lines = [(f"{manifest['dir']}: {manifest['layers']} layers, context {manifest['context']}, "
-              f"prefill {manifest['prefill']}, {manifest['precision']}, weight sharing: {manifest['weight_sharing']}")]
+              f"prefill {manifest['prefill']}, {manifest['precision']}, weight sharing: {manifest['weight_sharing']}, "
+              f"for {target.get('product', '?')} ({target.get('part', '?')}, HTP {target.get('htp_arch', '?')})")]
     for name, graph in manifest["graphs"].items():
         files = ", ".join(p["compiled"] or p["onnx"] for p in graph["parts"])
         lines.append(f"  {name}: {graph['tokens']} token(s) after {graph['past']} cache slots -> {files}")
+    device = manifest.get("device")
+    if device:
+        lines.append("  " + render_device(device, target))
     text = manifest.get("tokenizer")
     if text:
         lines.append(f"  tokenizer: {', '.join(text['files'])} (eos {text['eos_token_ids']}"
@@ -94,3 +99,18 @@ def render_text(manifest: dict) -> str:
     else:
         lines.append("  tokenizer: none beside the model ('generate --prompt' needs one: give --tokenizer-dir DIR)")
     return "\n".join(lines)
+
+
+def render_device(device: dict, target: dict) -> str:
+    from qnnpasses.units import fmt_bytes
+
+    weights = " + ".join(f"{fmt_bytes(g['weight_bytes'])} ({name})" for name, g in device["graphs"].items())
+    line = (f"device: weights {weights}, KV cache {fmt_bytes(device['kv_cache_bytes'])}; a decode step reads "
+            f"{fmt_bytes(device['decode_step_read_bytes'])}")
+    ceiling = device.get("decode_tokens_per_second_ceiling")
+    if ceiling:
+        line += (f": at most {ceiling:.1f} tokens/s on the {target.get('product')}'s "
+                 f"{device['memory_bytes_per_second'] / 1e9:.1f} GB/s")
+    else:
+        line += f" (the {target.get('product')}'s memory bandwidth is not known here)"
+    return line

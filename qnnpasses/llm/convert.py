@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from qnnpasses.backends.targets import active as active_target
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.kv_roles import Roles
 from qnnpasses.ir.load import load_model
@@ -358,7 +359,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     manifest = {
         "format": FORMAT, "source": model.name, "context": N, "prefill": M, "layers": roles.layers,
         "kv_heads": int(roles.kv_heads), "head_dim": int(roles.head_dim), "vocab": int(roles.vocab),
-        "precision": options.precision, "kv_layout": {"key": "BHSD", "value": "BHSD"},
+        "precision": options.precision, "target": active_target().as_dict(),
+        "kv_layout": {"key": "BHSD", "value": "BHSD"},
         "kv_dtype": graphs["decode"]["io"][roles.past_key[0]]["dtype"], "weight_sharing": "none",
         "graphs": graphs, "source_roles": _source_roles(roles, given),
         "sliding_window": _local_layers(report["graphs"]["decode"]["passes"]),
@@ -393,6 +395,9 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
                 part["compiled"] = part["onnx"].replace(".onnx", "_ctx.onnx")
         manifest["weight_sharing"] = compiled["weight_sharing"]
         report["compile"] = compiled
+    from qnnpasses.llm.footprint import footprint
+
+    manifest["device"] = report["device"] = footprint(stage, manifest, active_target())
     write_manifest(stage, manifest)
     return manifest, report
 

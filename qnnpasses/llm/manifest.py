@@ -40,7 +40,12 @@ in the original export (``input_ids``, ``attention_mask``, ``position_ids`` or n
 hold past + new; ``given``: those the user named with ``--roles``); ``sliding_window`` -- layer
 index (attention order) -> window for the local layers, whose masks follow the token positions
 (``window-positions``), empty when the model has none; per part ``weight_bytes`` when split;
-``tokenizer`` -- present when the bundle holds the model's tokenizer (``qnnpasses llm`` copies
+``device`` -- what the bundle asks of the device (:mod:`qnnpasses.llm.footprint`): per graph
+``weight_bytes`` (in the HTP's dtype) and ``compiled_bytes``, ``kv_cache_bytes``,
+``device_bytes``, ``decode_step_read_bytes`` and the ``decode_tokens_per_second_ceiling`` the
+target's memory bandwidth allows; ``target`` -- the device the graphs were probed and compiled for (``qnnpasses llm --soc``):
+``{"name", "part", "product", "soc_model", "htp_arch": "vNN"}``; a runner on the HTP names it
+too; ``tokenizer`` -- present when the bundle holds the model's tokenizer (``qnnpasses llm`` copies
 ``tokenizer.json`` and its companions from the model's folder or ``--tokenizer-dir DIR``):
 ``{"file": "tokenizer.json", "files": [every copied file], "vocab_size": n, "bos_token_id": id or
 null, "eos_token_ids": [ids generation stops at], "pad_token_id": id or null, "chat_template":

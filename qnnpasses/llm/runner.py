@@ -83,7 +83,7 @@ class Generation:
         return data
 
 
-def _htp_session(path: Path, *, fp16: bool, shared: bool) -> Any:
+def _htp_session(path: Path, *, fp16: bool, shared: bool, target: Any) -> Any:
     """A session on the HTP with the options ``qnnpasses llm`` compiled with: onnxruntime's graph
     optimizations off (its fusions would undo rewrites the HTP needs, e.g. the fp16-safe
     RMSNorm), graph-boundary Q/DQ on the HTP for quantized graphs, no CPU fallback."""
@@ -92,7 +92,7 @@ def _htp_session(path: Path, *, fp16: bool, shared: bool) -> Any:
     config = {"ep.share_ep_contexts": "1"} if shared else None
     extra = None if fp16 else {"offload_graph_io_quantization": "0"}
     return htp_session(path, fp16=fp16, disable_cpu_fallback=True, session_config=config, optimize=False,
-                       extra_options=extra)
+                       extra_options=extra, target=target)
 
 
 def _cpu_session(path: Path) -> Any:
@@ -104,7 +104,7 @@ def _cpu_session(path: Path) -> Any:
 class _Graph:
     """One graph of the pair: its roles, its part files and (once opened) their sessions."""
 
-    def __init__(self, manifest: dict[str, Any], name: str, on: str):
+    def __init__(self, manifest: dict[str, Any], name: str, on: str, target: Any):
         spec = manifest["graphs"][name]
         self.name = name
         self.tokens, self.past = int(spec["tokens"]), int(spec["past"])
@@ -115,7 +115,7 @@ class _Graph:
         missing = [f for f in self.files if not (self.root / f).is_file()]
         if missing:
             raise RunnerError(f"{name} graph: missing file {missing[0]} in {self.root}")
-        self.on = on
+        self.on, self.target = on, target
         self.fp16 = str(manifest.get("precision", "fp16")) == "fp16"
         self.shared = self.compiled and manifest.get("weight_sharing") == "shared"
         self.sessions: list[Any] = []
@@ -125,7 +125,8 @@ class _Graph:
         """Create the sessions (on the HTP this prepares or loads the graphs: slow)."""
         for f in self.files[len(self.sessions):]:
             path = self.root / f
-            session = _htp_session(path, fp16=self.fp16, shared=self.shared) if self.on == "htp" else _cpu_session(path)
+            session = (_htp_session(path, fp16=self.fp16, shared=self.shared, target=self.target) if self.on == "htp"
+                       else _cpu_session(path))
             self.sessions.append(session)
             self.outputs.append([o.name for o in session.get_outputs()])
 
@@ -145,10 +146,12 @@ class _Graph:
 class Runner:
     """Drive the pair in ``directory`` (the folder holding ``llm.json``) on ``on``.
 
-    Sessions open on first use (:meth:`open`), so a bad prompt is refused before the slow part.
+    On the HTP the sessions name ``target`` (default: the one the manifest records, the device
+    the bundle was compiled for).  Sessions open on first use (:meth:`open`), so a bad prompt is
+    refused before the slow part.
     """
 
-    def __init__(self, directory: str | Path, on: str = "htp"):
+    def __init__(self, directory: str | Path, on: str = "htp", target: Any = None):
         if on not in ON:
             raise RunnerError(f"unknown target {on!r} (expected one of {', '.join(ON)})")
         if not Path(directory).exists():
@@ -167,7 +170,14 @@ class Runner:
         for layout in m.get("kv_layout", {"key": "BHSD"}).values():
             if layout != "BHSD":
                 raise RunnerError(f"KV layout {layout} is not supported by this runner (BHSD only)")
-        self.graphs = {name: _Graph(m, name, on) for name in ("prefill", "decode")}
+        from qnnpasses.backends.targets import from_dict
+        from qnnpasses.errors import BadInputError
+
+        try:
+            self.target = target or from_dict(m.get("target"))
+        except BadInputError as exc:
+            raise RunnerError(f"{directory}: llm.json names an unknown target: {exc}") from None
+        self.graphs = {name: _Graph(m, name, on, self.target) for name in ("prefill", "decode")}
         self.load_seconds = 0.0
         kv_dtype = DTYPES.get(str(m.get("kv_dtype", "float32")), np.float32)
         shape = (1, self.kv_heads, self.context, self.head_dim)

@@ -1,0 +1,85 @@
+"""What a bundle asks of the device: the bytes it holds, the bytes one decode step reads, and
+the decode speed the target's memory bandwidth allows at most.
+
+Decoding one token reads every weight of the decode graph and the whole KV cache once, and writes
+the new token's K/V; on a phone this traffic, not arithmetic, bounds decode speed.  So the ceiling
+is ``bandwidth / bytes read per step``: a device run can be held against it, never above it.
+
+Weights are counted in the dtype the HTP holds them in: the float initializers of an fp16 bundle
+at 2 bytes (the HTP computes in fp16 whatever the ``.onnx`` stores), quantized ones at their
+bit width (int4 at half a byte).  The graphs' compiled context binaries, when written, are also
+given as files (``compiled_bytes``): what the device actually loads.  ``device_bytes`` is what the
+device holds at once: each graph's weights (the pair's contexts are separate unless
+``weight_sharing`` is ``shared``) plus the KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Bits of an ONNX tensor element type whose numpy itemsize is not its storage (packed 4-bit types).
+_PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "int64": 8}
+
+
+def weight_bytes(path: str | Path, *, float_bytes: int | None = None) -> int:
+    """Bytes of the initializers of ``path`` (external data is not read); with ``float_bytes``,
+    floating-point initializers count at that size per element."""
+    import onnx
+
+    total = 0.0
+    for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
+        count = int(np.prod(tensor.dims)) if tensor.dims else 1
+        name = onnx.TensorProto.DataType.Name(tensor.data_type)
+        if name in _PACKED_BITS:
+            total += count * _PACKED_BITS[name] / 8
+            continue
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        size = float_bytes if float_bytes and dtype.kind == "f" else dtype.itemsize
+        total += count * size
+    return int(total)
+
+
+def _compiled_bytes(folder: Path, parts: list[dict[str, Any]]) -> int | None:
+    """The compiled files of a graph (EPContext models and their context binaries), if written."""
+    if not all(p.get("compiled") for p in parts):
+        return None
+    total = 0
+    for part in parts:
+        ctx = folder / part["compiled"]
+        total += ctx.stat().st_size
+        total += sum(b.stat().st_size for b in folder.glob(ctx.stem + "*_qnn.bin"))
+    return total
+
+
+def footprint(folder: str | Path, manifest: dict[str, Any], target: Any) -> dict[str, Any]:
+    """The ``device`` entry of ``llm.json`` and the report (see the module docstring)."""
+    folder = Path(folder)
+    fp16 = manifest.get("precision", "fp16") == "fp16"
+    graphs = {}
+    for name, graph in manifest["graphs"].items():
+        weights = sum(weight_bytes(folder / p["onnx"], float_bytes=2 if fp16 else None) for p in graph["parts"])
+        graphs[name] = {"weight_bytes": weights, "compiled_bytes": _compiled_bytes(folder, graph["parts"])}
+    layers, heads, dim, context = (int(manifest[k]) for k in ("layers", "kv_heads", "head_dim", "context"))
+    kv_item = _DTYPE_BYTES.get(str(manifest.get("kv_dtype", "float32")), 4)
+    per_slot = 2 * layers * heads * dim * kv_item  # key + value of one token, every layer
+    decode = manifest["graphs"]["decode"]
+    read = graphs["decode"]["weight_bytes"] + per_slot * int(decode["past"]) + per_slot * int(decode["tokens"])
+    shared = manifest.get("weight_sharing") == "shared"
+    held = [g["weight_bytes"] for g in graphs.values()]
+    result: dict[str, Any] = {
+        "graphs": graphs,
+        "kv_cache_bytes": per_slot * context,
+        "kv_bytes_per_token": per_slot,
+        "device_bytes": (max(held) if shared else sum(held)) + per_slot * context,
+        "decode_step_read_bytes": read,
+        "target": target.name,
+        "memory_bytes_per_second": target.memory_bytes_per_second,
+        "decode_tokens_per_second_ceiling": None,
+    }
+    if target.memory_bytes_per_second:
+        result["decode_tokens_per_second_ceiling"] = round(target.memory_bytes_per_second / read, 1)
+    return result
