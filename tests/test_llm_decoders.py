@@ -74,7 +74,8 @@ def test_every_export_of_a_family_generates_transformers_tokens(family, matrix, 
         assert entry["onnx_vs_torch_max_abs"] <= 1e-4, entry["name"]
         result = decoder_eval.evaluate(entry, tmp_path)
         assert result["stage"] == "done", result
-        assert result["cpu_check_max_abs"] <= 1e-4 and result["reference_fed_by"] == "names", result
+        assert result["cpu_check_logits_max_abs"] <= 1e-4 and result["reference_fed_by"] == "names", result
+        assert result["cpu_check_ok"] and result["kv_dtype"] == "float16", result
         assert result["htp_ok"], (result["name"], result["htp_partitions"], result["htp_cpu_nodes"])
         assert result["tokens"] == entry["hf_tokens"], (result["name"], result["prefill"])
         assert result["sliding_window"] == _local_layers(entry), result["name"]

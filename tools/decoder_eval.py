@@ -71,7 +71,8 @@ def evaluate(entry: dict[str, Any], work: Path) -> dict[str, Any]:
     manifest = json.loads((out / "llm.json").read_text())
     check = report["verification"]
     parts = [p for graph in ("prefill", "decode") for p in report["htp"][graph]["parts"]]
-    result.update(cpu_check_max_abs=check["max_abs"], reference_fed_by=check.get("reference_fed_by"),
+    result.update(cpu_check_logits_max_abs=check["logits"], cpu_check_kv_max_abs=check["kv"],
+                  cpu_check_ok=check["ok"], kv_dtype=manifest["kv_dtype"], reference_fed_by=check.get("reference_fed_by"),
                   htp_partitions=[p["qnn_partitions"] for p in parts], htp_cpu_nodes=[p["cpu_nodes"] for p in parts],
                   htp_ok=all((p["ok"], p["qnn_partitions"], p["cpu_nodes"]) == (True, 1, 0) for p in parts),
                   sliding_window=manifest.get("sliding_window", {}))
@@ -111,7 +112,9 @@ def render(results: list[dict[str, Any]], versions: dict[str, str], seconds: flo
         f"Each export (KV cache, Hugging Face names) is built at context {CONTEXT}: `prefill` is the "
         "largest of 4, 1 that the export computes (TorchScript's sdpa with grouped-query attention bakes "
         "its traced length into a Reshape). CPU check: the build's own comparison with the original "
-        "export, fed by its Hugging Face names, over a chunked prompt and decode steps. HTP: both graphs' "
+        "export, fed by its Hugging Face names, over a chunked prompt and decode steps: max abs of the "
+        "logits, and of the new K/V, which leave the graphs in float16 (the fp32 values rounded: the "
+        "build's bound adds 2^-11 of their largest magnitude). HTP: both graphs' "
         "QNN partitions / CPU nodes in the build's fp16 probe. Tokens: `qnnpasses generate --on cpu` "
         "against transformers' greedy tokens after the same 12-token prompt (identical leading of "
         "20; the window of 8 of the sliding-window families is crossed). Local layers: "
@@ -119,7 +122,8 @@ def render(results: list[dict[str, Any]], versions: dict[str, str], seconds: flo
         "",
         f"{ok} of {len(results)} exports generate transformers' tokens with both graphs entirely on the HTP.",
         "",
-        "| export | prefill | CPU check max abs | HTP partitions / CPU nodes | tokens | local layers: window | result |",
+        "| export | prefill | CPU check: logits / new K/V max abs | HTP partitions / CPU nodes | tokens | "
+        "local layers: window | result |",
         "|---|---:|---:|---|---:|---|---|",
     ]
     for r in results:
@@ -129,7 +133,8 @@ def render(results: list[dict[str, Any]], versions: dict[str, str], seconds: flo
             continue
         placement = ", ".join(f"{p}/{c}" for p, c in zip(r["htp_partitions"], r["htp_cpu_nodes"]))
         window = ", ".join(f"{k}: {v}" for k, v in r["sliding_window"].items()) or "-"
-        lines.append(f"| {r['name']} | {r['prefill']} | {r['cpu_check_max_abs']:.2g} | {placement} | "
+        check = f"{r['cpu_check_logits_max_abs']:.2g} / {r['cpu_check_kv_max_abs']:.2g}"
+        lines.append(f"| {r['name']} | {r['prefill']} | {check} | {placement} | "
                      f"{r['identical_leading']}/{len(r['hf_tokens'])} | {window} | {'ok' if r['ok'] else 'differs'} |")
     lines += ["", "Random tied-embedding families (gemma, gpt2, smollm3) greedily repeat the last prompt token; "
               "their tokens say little, their CPU check against the export (itself within 1e-6 of torch, "

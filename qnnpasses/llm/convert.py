@@ -111,6 +111,7 @@ class LlmOptions:
     verify_tokens: int = 8
     probe: bool = True
     logits_offset: bool = True
+    cache_fp16: bool = True
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -169,9 +170,11 @@ def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
 
 
 def static_graph(model: Path, roles: Roles, tokens: int, past: int,
-                 quantized: bool = False, logits_offset: bool = True) -> tuple[IRModel, dict[str, Any]]:
+                 quantized: bool = False, logits_offset: bool = True,
+                 cache_fp16: bool = True) -> tuple[IRModel, dict[str, Any]]:
     """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied
-    (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits).
+    (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits,
+    and the cache taken and given in float16, :mod:`qnnpasses.llm.cache_dtype`).
 
     ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (``layout{head_proj=false}``): the
     Q/K/V projections stay 2-D, so each gets per-output-channel weight scales; head-major 4-D
@@ -191,15 +194,22 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     second = PassManager(htp_llm, RunConfig(verify=False, strict=True)).run(ir)
     records = pass_records(first) + pass_records(second)
     spec = htp_llm.to_text()
+    cache_dtype = "float32"
     if not quantized:  # the fp16 graph's precision passes (a quantized graph runs in integer mode)
         fp16 = fp16_passes(roles.logits, logits_offset)
         third = PassManager(fp16, RunConfig(verify=False, strict=True)).run(ir)
         records += pass_records(third)
         spec = f"{spec},{fp16.to_text()}"
+        from qnnpasses.llm.cache_dtype import store_cache_in_fp16
+        from qnnpasses.passes.kvcache.kv_new_outputs import new_output_name
+
+        new = [new_output_name(n, "present", "new") for n in roles.present_key + roles.present_value]
+        if cache_fp16 and store_cache_in_fp16(ir, roles.past_key + roles.past_value, new):
+            cache_dtype = "float16"
     # what ran, in textual form (quantization then knows htp-llm was applied)
     prefix = f"{lowerings}," if lowerings else ""
     ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{spec}"
-    return ir, {"passes": (lowered if lowerings else []) + records}
+    return ir, {"passes": (lowered if lowerings else []) + records, "cache_dtype": cache_dtype}
 
 
 def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
@@ -255,18 +265,20 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
           logits_offset: bool = True, roles: dict[str, str] | None = None,
-          tokenizer: str | Path | None = None) -> dict[str, Any]:
+          tokenizer: str | Path | None = None, cache_fp16: bool = True) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     ``model``: the export, or the Hugging Face / Optimum folder holding it.  ``roles``:
     input/output roles the user names (``--roles``), taken over what the graph suggests.
     ``tokenizer``: the folder with ``tokenizer.json`` (default: the model's folder, when it has
     one); its files are copied into ``out_dir`` and the manifest records the special ids.
+    ``cache_fp16``: an fp16 pair takes and gives its KV cache in float16 (the HTP's dtype,
+    :mod:`qnnpasses.llm.cache_dtype`); false keeps float32.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
-                         probe, logits_offset)
+                         probe, logits_offset, cache_fp16)
     model, out_dir = model_file(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
@@ -347,7 +359,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     irs = {}
     for name, (tokens, past) in spec.items():
         ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
-                                 logits_offset=options.logits_offset)
+                                 logits_offset=options.logits_offset, cache_fp16=options.cache_fp16)
         irs[name] = ir
         graph_role = graph_roles(ir, roles)
         path = save_model(ir, stage / f"{name}.onnx")
@@ -427,7 +439,12 @@ def _verify(stage: Path, manifest: dict[str, Any], model: Path, options: LlmOpti
     result.update(prompt_tokens=prompt_len, new_tokens=new, tolerance=tolerance)
     if tolerance is None:
         return result
-    bounds = {k: tolerance + CPU_RTOL * result[f"{k}_scale"] for k in ("logits", "kv")}
+    # a float16 cache: the new K/V outputs are the float32 ones rounded to fp16 (qnnpasses.llm.cache_dtype)
+    from qnnpasses.llm.cache_dtype import ROUNDING
+
+    kv_rounding = ROUNDING if manifest.get("kv_dtype") == "float16" else 0.0
+    bounds = {"logits": tolerance + CPU_RTOL * result["logits_scale"],
+              "kv": tolerance + (CPU_RTOL + kv_rounding) * result["kv_scale"]}
     result["bounds"] = bounds
     result["ok"] = all(result[k] <= bound for k, bound in bounds.items())
     if not result["ok"]:

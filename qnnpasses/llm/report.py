@@ -65,6 +65,7 @@ def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = T
             entry["qnn_ops"] = sum(p.get("qnn_ops") or 0 for p in entry["parts"])
         facts[name] = entry
     facts["expected_kv_cache_bytes"] = expected_kv_bytes(manifest, _BYTES.get(manifest["kv_dtype"], 4))
+    facts["kv_dtype"] = manifest["kv_dtype"]
     return facts
 
 
@@ -128,8 +129,9 @@ def graphs_section(rows: list[dict[str, Any]]) -> str:
               "Accuracy and speed of the trained pair: `docs/llm.md` (`tools/llm_eval.py`)."), "",
              ("Each export through `qnnpasses llm` (static cache outside the graph, htp-llm applied). Placement and "
               "composed QNN op counts come from the real HTP backend (fp16, one probe per graph); KV-cache bytes count "
-              "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·4 (float32 cache); "
-              "`analyze` is `qnnpasses analyze`'s figure for the same graph. The CPU check runs a prompt in padded "
+              "the past inputs plus the new K/V outputs of a graph, against 2·L·kv_heads·head_dim·N·bytes (the cache's "
+              "dtype: float16 in fp16 pairs, `qnnpasses/llm/cache_dtype.py`); `analyze` is `qnnpasses analyze`'s figure "
+              "for the same graph in that dtype. The CPU check runs a prompt in padded "
               "chunks and then decode steps against the original dynamic export."), "",
              ("| export | context | prefill | graph | parts | QNN partitions | CPU nodes | composed QNN ops | KV bytes | "
               "expected | analyze | CPU check max abs (logits / K,V) | weight sharing |"),
@@ -141,7 +143,8 @@ def graphs_section(rows: list[dict[str, Any]]) -> str:
             parts = entry["parts"]
             partitions = sum(p.get("qnn_partitions") or 0 for p in parts)
             cpu = sum(p.get("cpu_nodes") or 0 for p in parts)
-            analyze = (entry.get("analyze") or {}).get("bytes_fp32")
+            width = "bytes_fp16" if facts.get("kv_dtype") == "float16" else "bytes_fp32"
+            analyze = (entry.get("analyze") or {}).get(width)
             lines.append(
                 f"| {row['export']} | {row['context']} | {row['prefill']} | {graph} | {len(parts)} | {partitions} | "
                 f"{cpu} | {entry.get('qnn_ops', '-')} | {entry['kv_cache_bytes']:,} | "
