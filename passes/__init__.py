@@ -2,7 +2,7 @@
 
 =============  ====================================================================
 ``shapes``     static shapes (fix-shapes)
-``fold``       constant folding and clean-up (simplify, cleanup)
+``fold``       constant folding and clean-up (simplify, cleanup, tied-embedding)
 ``lowering``   what the HTP lacks, in terms it runs (lower-int64)
 ``attention``  masks, grouped K/V, heads, rotary (attention-cleanup, gqa-broadcast,
                mha-to-gqa, quant-mask, rotary)

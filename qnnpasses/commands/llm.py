@@ -104,7 +104,8 @@ def render_text(manifest: dict) -> str:
 def render_device(device: dict, target: dict) -> str:
     from qnnpasses.units import fmt_bytes
 
-    weights = " + ".join(f"{fmt_bytes(g['weight_bytes'])} ({name})" for name, g in device["graphs"].items())
+    weights = " + ".join(f"{fmt_bytes(g['compiled_bytes'] or g['weight_bytes'])} ({name})"
+                         for name, g in device["graphs"].items())
     line = (f"device: weights {weights}, KV cache {fmt_bytes(device['kv_cache_bytes'])}; a decode step reads "
             f"{fmt_bytes(device['decode_step_read_bytes'])}")
     ceiling = device.get("decode_tokens_per_second_ceiling")

@@ -7,9 +7,11 @@ is ``bandwidth / bytes read per step``: a device run can be held against it, nev
 
 Weights are counted in the dtype the HTP holds them in: the float initializers of an fp16 bundle
 at 2 bytes (the HTP computes in fp16 whatever the ``.onnx`` stores), quantized ones at their
-bit width (int4 at half a byte).  The graphs' compiled context binaries, when written, are also
-given as files (``compiled_bytes``): what the device actually loads.  ``device_bytes`` is what the
-device holds at once: each graph's weights (the pair's contexts are separate unless
+bit width (int4 at half a byte).  When the graphs were compiled, their context binaries
+(``compiled_bytes``) are what the device loads, and they count instead: they can hold more than the
+graph's weights (onnxruntime-qnn 2.7.0 stores a table that a Gather and a MatMul share twice,
+``passes/fold/tied_embedding.py``).  ``weights_from`` says which was counted.  ``device_bytes`` is
+what the device holds at once: each graph's weights (the pair's contexts are separate unless
 ``weight_sharing`` is ``shared``) plus the KV cache.
 """
 
@@ -59,22 +61,25 @@ def footprint(folder: str | Path, manifest: dict[str, Any], target: Any) -> dict
     """The ``device`` entry of ``llm.json`` and the report (see the module docstring)."""
     folder = Path(folder)
     fp16 = manifest.get("precision", "fp16") == "fp16"
-    graphs = {}
+    graphs, held = {}, {}
     for name, graph in manifest["graphs"].items():
         weights = sum(weight_bytes(folder / p["onnx"], float_bytes=2 if fp16 else None) for p in graph["parts"])
-        graphs[name] = {"weight_bytes": weights, "compiled_bytes": _compiled_bytes(folder, graph["parts"])}
+        compiled = _compiled_bytes(folder, graph["parts"])
+        graphs[name] = {"weight_bytes": weights, "compiled_bytes": compiled}
+        held[name] = compiled if compiled is not None else weights
     layers, heads, dim, context = (int(manifest[k]) for k in ("layers", "kv_heads", "head_dim", "context"))
     kv_item = _DTYPE_BYTES.get(str(manifest.get("kv_dtype", "float32")), 4)
     per_slot = 2 * layers * heads * dim * kv_item  # key + value of one token, every layer
     decode = manifest["graphs"]["decode"]
-    read = graphs["decode"]["weight_bytes"] + per_slot * int(decode["past"]) + per_slot * int(decode["tokens"])
+    read = held["decode"] + per_slot * int(decode["past"]) + per_slot * int(decode["tokens"])
     shared = manifest.get("weight_sharing") == "shared"
-    held = [g["weight_bytes"] for g in graphs.values()]
+    compiled = all(g["compiled_bytes"] is not None for g in graphs.values())
     result: dict[str, Any] = {
         "graphs": graphs,
+        "weights_from": "compiled contexts" if compiled else "graphs, in the HTP's dtype",
         "kv_cache_bytes": per_slot * context,
         "kv_bytes_per_token": per_slot,
-        "device_bytes": (max(held) if shared else sum(held)) + per_slot * context,
+        "device_bytes": (max(held.values()) if shared else sum(held.values())) + per_slot * context,
         "decode_step_read_bytes": read,
         "target": target.name,
         "memory_bytes_per_second": target.memory_bytes_per_second,

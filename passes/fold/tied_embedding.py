@@ -1,0 +1,85 @@
+"""tied-embedding: the token embedding read from the lm_head's weight, so a tied table is stored once.
+
+Matches: ``Gather(E, ids)`` on axis 0 with ``E`` a constant 2-D ``[V, H]`` table, where a
+``MatMul(x, W)`` of the same graph has a constant ``W`` equal to ``Eᵀ`` element for element: a
+model whose input embedding and lm_head share one matrix (``tie_word_embeddings``), which the
+exporters write twice (TorchScript and dynamo store the lm_head's ``Wᵀ`` as an initializer of its
+own; SmolLM2, Gemma, GPT-2, Qwen2.5-0.5B, Llama-3.2-1B are tied).
+
+Produces: ``Transpose(Gather(W, ids, axis=1), perm=[1, ..., r, 0])`` for the embedding lookup (``r``
+the rank of ``ids``); ``E`` is no longer read and leaves the model.
+
+Why it is safe: ``Gather(W, ids, axis=1)[h, i...] = W[h, ids[i...]] = E[ids[i...], h]``: the same
+values, moved, not computed (EXACT).  On the HTP (fp16 mode) the logits are the same bits
+(``tests/test_pass_tied_embedding.py``), and SmolLM2-135M's decode graph prepares and runs as fast.
+
+What it does not do: make the compiled context smaller.  onnxruntime-qnn 2.7.0 stores the
+Gather's table in the context binary on its own: SmolLM2-135M's pair at context 256 has 57 MB
+fewer weight bytes in its ``.onnx`` graphs with the pass, and context binaries of the same size
+(385,012,724 against 385,012,707 bytes for the prefill graph).  So ``qnnpasses llm`` does not run
+it: it shrinks the ONNX file (a model near the 2 GB protobuf limit, or one that is copied
+around), not what a device holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qnnpasses.ir.model import IRModel
+from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
+from qnnpasses.passmanager.rewrite import constant_value, emit, finish, replace_all_uses, static_shape
+
+
+def _matmul_weights(graph: gs.Graph) -> dict[tuple[int, ...], list[gs.Constant]]:
+    """The constant 2-D MatMul weights of the graph, by shape."""
+    found: dict[tuple[int, ...], list[gs.Constant]] = {}
+    for node in graph.nodes:
+        if node.op == "MatMul" and len(node.inputs) == 2 and isinstance(node.inputs[1], gs.Constant):
+            shape = tuple(node.inputs[1].shape or ())
+            if len(shape) == 2 and node.inputs[1] not in found.get(shape, []):
+                found.setdefault(shape, []).append(node.inputs[1])
+    return found
+
+
+@register_pass
+class TiedEmbedding(Pass):
+    name = "tied-embedding"
+    summary = "Gather(E) with E = lm_head weightᵀ -> Transpose(Gather(W, axis=1)): one table instead of two"
+    contract = EXACT
+
+    def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
+        graph = ir.graph
+        weights = _matmul_weights(graph)
+        notes, shared = [], 0
+        for node in list(graph.nodes):
+            if node.op != "Gather" or int(node.attrs.get("axis", 0)) != 0 or not isinstance(node.inputs[0], gs.Constant):
+                continue
+            table = node.inputs[0]
+            if len(table.shape or ()) != 2:
+                continue
+            vocab, hidden = table.shape
+            candidates = weights.get((hidden, vocab), [])
+            if not candidates:
+                continue
+            ids_shape = static_shape(node.inputs[1])
+            if ids_shape is None:
+                notes.append(f"{node.name}: indices of unknown rank")
+                continue
+            values = constant_value(table)
+            match = next((w for w in candidates if np.dtype(w.dtype) == np.dtype(table.dtype)
+                          and np.array_equal(constant_value(w).T, values)), None)
+            if match is None:
+                continue
+            rank = len(ids_shape)
+            columns = emit(ir, ctx, "Gather", [match, node.inputs[1]], hint=f"{node.name}_tied", dtype=table.dtype,
+                           shape=[hidden, *ids_shape], attrs={"axis": 1})
+            rows = emit(ir, ctx, "Transpose", [columns], hint=f"{node.name}_rows", dtype=table.dtype,
+                        shape=[*ids_shape, hidden], attrs={"perm": [*range(1, rank + 1), 0]})
+            replace_all_uses(graph, node.outputs[0], rows)  # the Gather of E is left unread: finish drops it
+            shared += 1
+            notes.append(f"{node.name} reads {match.name} (the lm_head's weight) instead of {table.name}")
+        if not shared:
+            return PassResult(changed=False, notes=notes)
+        finish(ir)
+        return PassResult(changed=True, stats={"tables": shared}, notes=notes)
