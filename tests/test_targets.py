@@ -194,3 +194,17 @@ def test_device_footprint_and_the_bandwidth_ceiling(tmp_path):
     assert target.memory_bytes_per_second == 10600e6 * 8
     assert device["decode_tokens_per_second_ceiling"] == round(target.memory_bytes_per_second / read, 1)
     assert device["device_bytes"] == fp16_bytes("decode.onnx") + fp16_bytes("prefill.onnx") + per_token * 64
+
+
+def test_docs_targets_md_is_rendered_from_what_the_tool_measured():
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    import targets_doc
+
+    data = json.loads((root / "docs" / "targets.json").read_text())
+    assert (root / "docs" / "targets.md").read_text() == targets_doc.render(data), "run python tools/targets_doc.py"
+    accepted = {name for name, v in data["targets"].items() if v and v["accepted"]}
+    assert {t.name for t in TARGETS} - accepted == {"8sgen3"}  # onnxruntime-qnn 2.7.0, as REJECTED_HERE says

@@ -78,6 +78,7 @@ def render(data: dict[str, Any]) -> str:
     for t in TARGETS:
         verdict = data["targets"].get(t.name)
         said = ("not measured (no backend)" if verdict is None else "yes" if verdict["accepted"]
+                else "no: every node left to the CPU" if "CPU EP" in (verdict["error"] or "")
                 else f"no: {verdict['error'][:90]}")
         lines.append(f"| {t.name} | {t.part} | {t.product} | {t.soc_model} | v{t.htp_arch} | {_gbps(t)} | {said} |")
     lines += ["", "## Op support per HTP arch", "",
