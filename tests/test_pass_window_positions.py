@@ -39,7 +39,7 @@ def test_window_pair_matches_the_original_past_the_window(name, tmp_path):
     assert '"window-positions"' in report
     check = convert.json.loads(report)["verification"]
     assert check["prompt_tokens"] + check["new_tokens"] > 8  # the sequence crosses the window of 8
-    assert check["ok"] and check["max_abs"] <= 1e-4
+    assert check["ok"] and check["logits"] <= 1e-4  # the new K/V: fp16's rounding (float16 cache), in "ok"
     assert manifest["graphs"]["decode"]["past"] == 63
     assert manifest["sliding_window"] == {"0": 8, "1": 8}
 

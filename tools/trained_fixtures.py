@@ -36,7 +36,8 @@ default) export the model *with a KV cache* the way Hugging Face users do:
 brings to ``qnnpasses llm``: a folder ``MODEL_hf/`` with the model loaded with transformers'
 default attention exported as ``kv_ts`` does (``model.onnx``) beside the files
 ``save_pretrained`` writes (config, generation config, tokenizer with its chat template); its
-manifest record keeps transformers' greedy tokens and chat prompt ids for a text prompt.  The default ``--out`` is the cache (``$QNNPASSES_TRAINED_CACHE`` or
+manifest record keeps transformers' greedy tokens and chat prompt ids for a text prompt.
+The default ``--out`` is the cache (``$QNNPASSES_TRAINED_CACHE`` or
 ``~/.cache/qnnpasses/trained``); :func:`ensure_built` rebuilds only what is missing or was
 built from other sources/versions.
 """
@@ -692,9 +693,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     if args.command == "build":
-        unknown = set(args.exporters.split(",")) - set(EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,))
+        known = EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,)
+        unknown = set(args.exporters.split(",")) - set(known)
         if unknown:
-            parser.error(f"unknown exporters {sorted(unknown)} (choose from {list(EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,))})")
+            parser.error(f"unknown exporters {sorted(unknown)} (choose from {list(known)})")
         manifest = build(args.only.split(","), args.exporters.split(","), args.out)
         print(json.dumps({k: {e: {x: v.get(x) for x in ("torch_vs_onnx_max_abs", "nodes", "error")}
                               for e, v in r["exports"].items()} for k, r in manifest["models"].items()}, indent=1))
