@@ -367,7 +367,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
                         "parts": [{"onnx": path.name, "compiled": None,
                                    "inputs": [t.name for t in ir.graph.inputs], "outputs": [t.name for t in ir.graph.outputs]}],
                         "roles": graph_role, "io": _io(ir)}
-        report["graphs"][name] = {"nodes": len(ir.graph.nodes), "passes": facts["passes"]}
+        report["graphs"][name] = {"nodes": len(ir.graph.nodes), "passes": facts["passes"],
+                                  "cache_dtype": facts["cache_dtype"]}
     manifest = {
         "format": FORMAT, "source": model.name, "context": N, "prefill": M, "layers": roles.layers,
         "kv_heads": int(roles.kv_heads), "head_dim": int(roles.head_dim), "vocab": int(roles.vocab),
