@@ -117,11 +117,12 @@ def _bundle_tokenizer(runner: Any, needed: bool) -> Any:
         raise BadInputError(f"{runner.manifest['dir']}: {exc}") from None
 
 
-def _prompt_ids(args, text: Any) -> list[int]:
+def _prompt_ids(args, text: Any, given: list[int] | None) -> list[int]:
+    """``given`` (``--prompt-ids``), else ``--prompt`` through the bundle's tokenizer."""
     from qnnpasses.llm.tokenizer import TokenizerError
 
-    if args.prompt_ids is not None:
-        return parse_ids(args.prompt_ids)
+    if given is not None:
+        return given
     try:
         ids = text.encode_chat(args.prompt, args.system) if args.chat else text.encode(args.prompt)
     except TokenizerError as exc:
@@ -140,12 +141,11 @@ def main(args) -> int:
 
     sampling = sampling_options(args)
     _check_args(args, sampling)
-    if args.prompt_ids is not None:
-        parse_ids(args.prompt_ids)  # refuse bad ids before loading anything
+    given = parse_ids(args.prompt_ids) if args.prompt_ids is not None else None  # refused before loading anything
     try:
         runner = Runner(args.dir, on=args.on, target=_given_target(args))
         text = _bundle_tokenizer(runner, needed=args.prompt is not None)
-        prompt = runner.check_prompt(_prompt_ids(args, text))
+        prompt = runner.check_prompt(_prompt_ids(args, text, given))
         reference = ReferenceModel(model_file(args.compare)) if args.compare else None
         stream = StreamDecoder(text) if text is not None and args.format == "text" else None
         on_token = (lambda token: _write(stream.push(token))) if stream is not None else None

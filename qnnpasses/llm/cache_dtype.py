@@ -17,29 +17,20 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
-from qnnpasses.passmanager.rewrite import finish, replace_all_uses
+from qnnpasses.passmanager.api import PassContext
+from qnnpasses.passmanager.rewrite import finish, make_node, swap
 
 #: Relative rounding of a float16 value (half the spacing of its significand): the bound of a new
 #: K/V output stored in float16 against its float32 value.
 ROUNDING = 2.0 ** -11
 
 
-def _fresh(graph: gs.Graph, base: str) -> str:
-    taken = {t for t in graph.tensors()} | {n.name for n in graph.nodes}
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name
-
-
 def store_cache_in_fp16(ir: IRModel, past: list[str], new: list[str]) -> int:
     """Make the graph inputs ``past`` and outputs ``new`` float16 (module docstring); the number of
     tensors changed (those already float16 are left alone)."""
-    graph = ir.graph
+    graph, ctx = ir.graph, PassContext()
     inputs = {t.name: t for t in graph.inputs}
     outputs = {t.name: i for i, t in enumerate(graph.outputs)}
     changed = 0
@@ -47,10 +38,11 @@ def store_cache_in_fp16(ir: IRModel, past: list[str], new: list[str]) -> int:
         tensor = inputs[name]
         if np.dtype(tensor.dtype) != np.float32:
             continue
-        inner = gs.Variable(_fresh(graph, f"{name}.fp32"), dtype=np.float32, shape=tensor.shape)
-        replace_all_uses(graph, tensor, inner)
-        graph.nodes.append(gs.Node("Cast", _fresh(graph, f"{name}.cast_fp32"), attrs={"to": onnx.TensorProto.FLOAT},
-                                   inputs=[tensor], outputs=[inner]))
+        readers = list(tensor.outputs)
+        cast = make_node(ir, ctx, "Cast", [tensor], name_hint=f"{name}.cast_fp32", attrs={"to": onnx.TensorProto.FLOAT},
+                         dtype=np.float32, shape=tensor.shape)
+        for reader in readers:
+            swap(reader.inputs, tensor, cast.outputs[0])
         tensor.dtype = np.float16
         changed += 1
     graph_outputs = list(graph.outputs)
@@ -59,10 +51,10 @@ def store_cache_in_fp16(ir: IRModel, past: list[str], new: list[str]) -> int:
         tensor = graph_outputs[index]
         if np.dtype(tensor.dtype) != np.float32:
             continue
-        tensor.name = _fresh(graph, f"{name}.fp32")
-        stored = gs.Variable(name, dtype=np.float16, shape=tensor.shape)
-        graph.nodes.append(gs.Node("Cast", _fresh(graph, f"{name}.cast_fp16"), attrs={"to": onnx.TensorProto.FLOAT16},
-                                   inputs=[tensor], outputs=[stored]))
+        tensor.name = ctx.unique_name(ir, f"{name}.fp32")
+        stored = make_node(ir, ctx, "Cast", [tensor], name_hint=f"{name}.cast_fp16",
+                           attrs={"to": onnx.TensorProto.FLOAT16}, dtype=np.float16, shape=tensor.shape).outputs[0]
+        stored.name = name  # the output keeps its name; the float32 tensor took a fresh one
         graph_outputs[index] = stored
         changed += 1
     graph.outputs = graph_outputs

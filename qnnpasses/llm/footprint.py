@@ -24,7 +24,6 @@ import numpy as np
 
 #: Bits of an ONNX tensor element type whose numpy itemsize is not its storage (packed 4-bit types).
 _PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4}
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "int64": 8}
 
 
 def weight_bytes(path: str | Path, *, float_bytes: int | None = None) -> int:
@@ -68,7 +67,7 @@ def footprint(folder: str | Path, manifest: dict[str, Any], target: Any) -> dict
         graphs[name] = {"weight_bytes": weights, "compiled_bytes": compiled}
         held[name] = compiled if compiled is not None else weights
     layers, heads, dim, context = (int(manifest[k]) for k in ("layers", "kv_heads", "head_dim", "context"))
-    kv_item = _DTYPE_BYTES.get(str(manifest.get("kv_dtype", "float32")), 4)
+    kv_item = np.dtype(str(manifest.get("kv_dtype", "float32"))).itemsize
     per_slot = 2 * layers * heads * dim * kv_item  # key + value of one token, every layer
     decode = manifest["graphs"]["decode"]
     read = held["decode"] + per_slot * int(decode["past"]) + per_slot * int(decode["tokens"])
