@@ -76,19 +76,24 @@ def test_smollm2_pair_generates_the_originals_tokens_on_the_htp_fp16(smollm2_pai
 # --------------------------------------------------------------------------- text in, text out
 
 
-@pytest.fixture(scope="module")
-def smollm2_text_bundle(tmp_path_factory):
-    """Trained SmolLM2 as a user's Hugging Face folder (default attention, tokenizer files beside
-    model.onnx: the ``hf`` export) -> a bundle that carries the tokenizer; transformers' results."""
+def _hf_folder():
+    """SmolLM2 as a user's Hugging Face folder (the ``hf`` export), built on first use, and its record."""
     try:
         record = tf.ensure_built("smollm2_135m", tf.HF_EXPORTER)
     except RuntimeError as exc:
         pytest.skip(str(exc))
     import qnnpasses.passes  # noqa: F401 - registers the passes
 
+    return record, tf.hf_model_path(tf.SPECS["smollm2_135m"], tf.DEFAULT_CACHE).parent
+
+
+@pytest.fixture(scope="module")
+def smollm2_text_bundle(tmp_path_factory):
+    """Trained SmolLM2 as a user's Hugging Face folder (default attention, tokenizer files beside
+    model.onnx: the ``hf`` export) -> a bundle that carries the tokenizer; transformers' results."""
+    record, folder = _hf_folder()
     from qnnpasses.llm.convert import build
 
-    folder = tf.hf_model_path(tf.SPECS["smollm2_135m"], tf.DEFAULT_CACHE).parent
     out = tmp_path_factory.mktemp("smollm2_text") / "bundle"
     build(folder, out, context=CONTEXT, prefill=PREFILL, compile=False, probe=False)
     return out, record["exports"][tf.HF_EXPORTER]["text"]
@@ -137,3 +142,41 @@ def test_smollm2_prompt_text_on_the_htp(smollm2_text_bundle, capsys):
     report = _generate(capsys, bundle, "--prompt", hf["prompt"], "--max-new-tokens", 32, "--on", "htp")
     want = min(30, len(hf["greedy"]))
     assert _leading(report["tokens"], hf["greedy"]) >= want, (report["tokens"], hf["greedy"])
+
+
+# --------------------------------------------------------------------------- onnxruntime-genai's bundle
+
+
+@pytest.fixture(scope="module")
+def smollm2_genai_bundle(tmp_path_factory):
+    """The same folder as a ``--bundle genai`` (uint8 cache, key transposed, plain logits)."""
+    record, folder = _hf_folder()
+    from qnnpasses.llm.convert import build
+
+    out = tmp_path_factory.mktemp("smollm2_genai") / "bundle"
+    build(folder, out, context=CONTEXT, prefill=PREFILL, compile=False, probe=False, bundle="genai")
+    return folder, out, record["exports"][tf.HF_EXPORTER]["text"]
+
+
+def test_smollm2_genai_bundle_runs_in_onnxruntime_genai(smollm2_genai_bundle, capsys):
+    """onnxruntime-genai generates what our runner generates from the bundle, and the 8-bit cache
+    keeps teacher-forced top-1 near the float pair's (docs/llm_bundles.md has the figures)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from qnnpasses.llm.genai import HOST_VERSIONS
+
+    if og.__version__ not in HOST_VERSIONS:
+        pytest.skip(f"onnxruntime-genai {og.__version__} has no windowed cache on the CPU")
+    folder, bundle, hf = smollm2_genai_bundle
+    ours = _generate(capsys, bundle, "--prompt", hf["prompt"], "--max-new-tokens", 16, "--on", "cpu")
+    theirs = _generate(capsys, bundle, "--prompt", hf["prompt"], "--max-new-tokens", 16, "--on", "cpu",
+                       "--runtime", "onnxruntime-genai")
+    assert ours["prompt_ids"] == hf["prompt_ids"] and theirs["tokens"] == ours["tokens"]
+    from qnnpasses.llm.reference import ReferenceModel
+    from qnnpasses.llm.runner import Runner
+
+    reference, runner = ReferenceModel(folder / "model.onnx"), Runner(bundle, on="cpu")
+    with np.load(tf.DEFAULT_CACHE / "smollm2_135m.eval.npz") as data:
+        windows = data["input_ids"][:4, :CONTEXT - 1]
+    agree = [float((runner.score(list(w[:16]), list(w[16:])).argmax(-1) == reference.logits(list(w)).argmax(-1)).mean())
+             for w in windows.tolist()]
+    assert np.mean(agree) >= 0.95, agree

@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--on", choices=("htp", "cpu"), default="htp",
                         help="htp: the compiled context models (else the .onnx graphs) on the QNN HTP backend, "
                              "CPU fallback disabled; cpu: the .onnx graphs on onnxruntime CPU")
+    parser.add_argument("--runtime", choices=("qnnpasses", "onnxruntime-genai"), default="qnnpasses",
+                        help="qnnpasses (default): our runner, from llm.json; onnxruntime-genai: onnxruntime-genai "
+                             "itself on a bundle built with --bundle genai (its CPU provider: --on cpu)")
     parser.add_argument("--compare", metavar="ORIGINAL",
                         help="also run the original dynamic-KV export (a .onnx file or the folder holding it) greedily "
                              "on onnxruntime CPU (fp32) on the same prompt: identical leading tokens and "
@@ -97,6 +100,11 @@ def _check_args(args, sampling: Any) -> None:
         raise BadInputError("--system is a chat message: give --chat too")
     if args.compare and not sampling.greedy:
         raise BadInputError("--compare checks greedy generation: drop --temperature/--top-k/--top-p")
+    if args.runtime == "onnxruntime-genai" and args.on != "cpu":
+        raise BadInputError("--runtime onnxruntime-genai runs on --on cpu here: onnxruntime-genai's PyPI wheels "
+                            "have no QNN provider (on the device, genai_config.json selects it)")
+    if args.runtime == "onnxruntime-genai" and args.compare:
+        raise BadInputError("--compare works with --runtime qnnpasses")
 
 
 def _bundle_tokenizer(runner: Any, needed: bool) -> Any:
@@ -150,8 +158,11 @@ def main(args) -> int:
         stream = StreamDecoder(text) if text is not None and args.format == "text" else None
         on_token = (lambda token: _write(stream.push(token))) if stream is not None else None
         stop = [] if args.ignore_eos or text is None else runner.manifest["tokenizer"]["eos_token_ids"]
-        result = runner.generate(prompt, args.max_new_tokens, choose=Sampler(sampling), stop_ids=stop,
-                                 on_token=on_token)
+        if args.runtime == "onnxruntime-genai":
+            result = _genai_generation(runner, prompt, args.max_new_tokens, stop, sampling, on_token)
+        else:
+            result = runner.generate(prompt, args.max_new_tokens, choose=Sampler(sampling), stop_ids=stop,
+                                     on_token=on_token)
         if stream is not None:
             _write(stream.flush() + "\n")
         report = {"prompt_ids": prompt, **result.as_dict(), "sampling": sampling.as_dict()}
@@ -161,7 +172,7 @@ def main(args) -> int:
             report["compare"] = compare(runner, reference, prompt, result.tokens)
     except RunnerError as exc:
         raise BadInputError(str(exc)) from None
-    report.update(context=runner.context, prefill=runner.graphs["prefill"].tokens,
+    report.update(runtime=args.runtime, context=runner.context, prefill=runner.graphs["prefill"].tokens,
                   precision=runner.manifest.get("precision"), weight_sharing=runner.manifest.get("weight_sharing"),
                   target=runner.target.as_dict())
     if args.format == "json":
@@ -169,6 +180,25 @@ def main(args) -> int:
     else:
         print(render(report, streamed=stream is not None))
     return 0
+
+
+def _genai_generation(runner: Any, prompt: list[int], max_new_tokens: int, stop: list[int], sampling: Any,
+                      on_token: Any) -> Any:
+    """The tokens onnxruntime-genai generates from the bundle, as a Generation (its own loop and cache)."""
+    from qnnpasses.llm.genai import GenaiError, generate
+    from qnnpasses.llm.runner import Generation
+
+    try:
+        out = generate(runner.manifest["dir"], runner.manifest, prompt, max_new_tokens, stop_ids=stop,
+                       sampling=sampling, on_token=on_token)
+    except GenaiError as exc:
+        raise BadInputError(str(exc)) from None
+    tokens = out["tokens"]
+    stopped = "eos" if tokens and tokens[-1] in set(stop) else (
+        "max_new_tokens" if len(tokens) >= max_new_tokens else "context_full")
+    return Generation(tokens=tokens, prompt_tokens=len(prompt), stopped=stopped, load_seconds=out["load_seconds"],
+                      decode_seconds=out["seconds"], on="cpu",
+                      files={n: [p["onnx"] for p in g["parts"]] for n, g in runner.manifest["graphs"].items()})
 
 
 def _given_target(args) -> Any:

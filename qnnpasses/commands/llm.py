@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", type=_positive_int, required=True, metavar="M", help="new tokens per prefill call")
     p.add_argument("--precision", default="fp16", metavar="fp16|w8a16|w4a16",
                    help="fp16 (default) or quantized weights with 16-bit activations (needs --calib)")
-    p.add_argument("--calib", metavar="DATA", help="calibration token data for --precision w8a16|w4a16")
+    p.add_argument("--calib", metavar="DATA", help="calibration token data for --precision w8a16|w4a16, and for the 8-bit KV cache of --bundle genai "
+                        "(default there: a built-in English text through the model's tokenizer)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--parts", type=_positive_int, metavar="K", help="split each graph into K consecutive parts")
     split.add_argument("--max-part-bytes", type=_positive_int, metavar="B", help="split each graph into parts of at most B bytes")
@@ -46,6 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer-dir", "--tokenizer", dest="tokenizer", metavar="DIR",
                    help="folder with the model's tokenizer.json (+ tokenizer_config.json, generation_config.json), "
                         "copied into the bundle for 'generate --prompt' (default: the model's folder, when it has one)")
+    p.add_argument("--bundle", default="qnnpasses", choices=("qnnpasses", "genai"),
+                   help="qnnpasses (default): our runner's bundle; genai: also an onnxruntime-genai model "
+                        "(genai_config.json, uint8 KV cache with the key transposed, plain logits)")
     add_format_arg(p)
     p.set_defaults(func=main)
 
@@ -73,7 +77,8 @@ def main(args) -> int:
 
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile,
-                     logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer)
+                     logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer,
+                     bundle=args.bundle)
     if args.format == "json":
         print(json.dumps(manifest, indent=2))
         return 0

@@ -95,7 +95,10 @@ def fp16_passes(logits: str, logits_offset: bool = True) -> Pipeline:
 CPU_TOLERANCE = 1e-4
 CPU_RTOL = 1e-5
 _DTYPES = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.float32): "float32",
-           np.dtype(np.float16): "float16"}
+           np.dtype(np.float16): "float16", np.dtype(np.uint8): "uint8"}
+#: what ``qnnpasses llm`` writes: our own bundle (``llm.json``), or onnxruntime-genai's
+#: ``decoder-pipeline`` model (:mod:`qnnpasses.llm.genai`; the same graphs, with ``llm.json`` too)
+BUNDLES = ("qnnpasses", "genai")
 
 
 @dataclass
@@ -112,6 +115,7 @@ class LlmOptions:
     probe: bool = True
     logits_offset: bool = True
     cache_fp16: bool = True
+    bundle: str = "qnnpasses"
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -134,6 +138,13 @@ def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
         raise BadInputError(f"--max-part-bytes must be positive (got {options.max_part_bytes})")
     if out_dir.resolve() == model.parent.resolve():
         raise BadInputError("the output folder must not be the input model's folder")
+    if options.bundle not in BUNDLES:
+        raise BadInputError(f"unknown bundle '{options.bundle}' (known: {', '.join(BUNDLES)})")
+    if options.bundle == "genai":
+        from qnnpasses.llm.genai import check_request
+
+        check_request(options.context, options.prefill, options.precision,
+                      options.parts is not None or options.max_part_bytes is not None)
 
 
 def _static_dim(dim) -> int | None:
@@ -265,7 +276,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
           logits_offset: bool = True, roles: dict[str, str] | None = None,
-          tokenizer: str | Path | None = None, cache_fp16: bool = True) -> dict[str, Any]:
+          tokenizer: str | Path | None = None, cache_fp16: bool = True, bundle: str = "qnnpasses") -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     ``model``: the export, or the Hugging Face / Optimum folder holding it.  ``roles``:
@@ -273,12 +284,13 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     ``tokenizer``: the folder with ``tokenizer.json`` (default: the model's folder, when it has
     one); its files are copied into ``out_dir`` and the manifest records the special ids.
     ``cache_fp16``: an fp16 pair takes and gives its KV cache in float16 (the HTP's dtype,
-    :mod:`qnnpasses.llm.cache_dtype`); false keeps float32.
+    :mod:`qnnpasses.llm.cache_dtype`); false keeps float32.  ``bundle``: ``genai`` writes the
+    pair as onnxruntime-genai's model (:mod:`qnnpasses.llm.genai`: uint8 cache, plain logits).
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
-                         probe, logits_offset, cache_fp16)
+                         probe, logits_offset, cache_fp16, bundle)
     model, out_dir = model_file(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
@@ -291,6 +303,8 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
             check_tokenizer(text_dir, int(roles.vocab))
     except TokenizerError as exc:
         raise BadInputError(str(exc)) from None
+    if options.bundle == "genai" and text_dir is None:
+        raise BadInputError("--bundle genai needs the model's tokenizer.json (a model folder or --tokenizer-dir DIR)")
     left = sorted({n.op for n in source.graph.nodes if (n.domain or "") == "com.microsoft"})
     if left:  # e.g. MatMulNBits with accuracy_level=4: its lowering is lossy (htp-llm runs it only with --allow-lossy)
         raise BadInputError(f"the export keeps onnxruntime contrib ops that are not lowered losslessly: {', '.join(left)} "
@@ -305,10 +319,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        manifest, report = _build_into(stage, model, source, roles, options, given)
-        if text_dir is not None:
-            manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
-            write_manifest(stage, manifest)
+        manifest, report = _build_into(stage, model, source, roles, options, given, text_dir)
         report["seconds"] = round(time.monotonic() - start, 2)
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         from qnnpasses.llm.report import report_markdown
@@ -332,7 +343,7 @@ def _remove_previous_pair(out_dir: Path) -> None:
     if not (out_dir / "llm.json").is_file():
         return
     for pattern in ("prefill*.onnx*", "decode*.onnx*", "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
-                    "report.md", TOKENIZER_FILE, *COMPANION_FILES):
+                    "report.md", "genai_config.json", TOKENIZER_FILE, *COMPANION_FILES):
         for path in out_dir.glob(pattern):
             if path.is_file():
                 path.unlink()
@@ -351,15 +362,17 @@ def _require_precision(precision: str) -> None:
 
 
 def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options: LlmOptions,
-                given: dict[str, str]) -> tuple[dict, dict]:
+                given: dict[str, str], text_dir: Path | None) -> tuple[dict, dict]:
     N, M = options.context, options.prefill
+    genai = options.bundle == "genai"
     spec = {"prefill": (M, N - M), "decode": (1, N - 1)}
     graphs: dict[str, Any] = {}
     report: dict[str, Any] = {"source": model.name, "context": N, "prefill": M, "graphs": {}}
     irs = {}
     for name, (tokens, past) in spec.items():
         ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
-                                 logits_offset=options.logits_offset, cache_fp16=options.cache_fp16)
+                                 logits_offset=options.logits_offset and not genai,
+                                 cache_fp16=options.cache_fp16 and not genai)
         irs[name] = ir
         graph_role = graph_roles(ir, roles)
         path = save_model(ir, stage / f"{name}.onnx")
@@ -380,7 +393,12 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         # how the graphs were compiled and probed on the HTP (see qnnpasses.llm.compile)
         "session": {"graph_optimization": "disable_all"},
     }
+    if text_dir is not None:
+        manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
     report["verification"] = _verify(stage, manifest, model, options)
+    if genai:
+        report["bundle"] = _genai_form(stage, manifest, irs, model, options, text_dir)
+        report["bundle_verification"] = _verify(stage, manifest, model, options, tolerance=None)
     if options.precision != "fp16":
         from qnnpasses.llm.quantize import quantize_pair
 
@@ -412,7 +430,42 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
 
     manifest["device"] = report["device"] = footprint(stage, manifest, active_target())
     write_manifest(stage, manifest)
+    if genai:
+        from qnnpasses.llm.genai import write_config
+
+        write_config(stage, manifest)
     return manifest, report
+
+
+def _genai_form(stage: Path, manifest: dict[str, Any], irs: dict[str, IRModel], model: Path, options: LlmOptions,
+                text_dir: Path | None) -> dict[str, Any]:
+    """The verified float pair -> onnxruntime-genai's form (:mod:`qnnpasses.llm.genai`): a uint8
+    cache with the key transposed, scaled from the original's cache on calibration tokens, and the
+    bundle's I/O names; the graphs are rewritten in place and the manifest follows."""
+    from qnnpasses.llm.cache_dtype import store_cache_in_uint8
+    from qnnpasses.llm.calibration import cache_scales, calibration_sequences
+    from qnnpasses.llm.genai import KV_LAYOUT, PAD_VALUE, check_model
+    from qnnpasses.llm.io_names import rename_io
+    from qnnpasses.llm.reference import ReferenceModel
+
+    check_model(manifest["sliding_window"])
+    sequences, origin = calibration_sequences(manifest["vocab"], manifest["context"], options.calib,
+                                              manifest["source_roles"]["input_ids"], text_dir)
+    reference = ReferenceModel(model)
+    encodings = cache_scales(reference, sequences, reference.past[:manifest["layers"]],
+                             reference.past[manifest["layers"]:])
+    scales = {kind: encodings[f"{kind}_scales"] for kind in ("key", "value")}
+    for name, graph in manifest["graphs"].items():
+        ir = irs[name]
+        store_cache_in_uint8(ir, graph["roles"], KV_LAYOUT, scales, PAD_VALUE)
+        graph["roles"] = rename_io(ir, graph["roles"])
+        save_model(ir, stage / graph["parts"][0]["onnx"])
+        graph["parts"][0].update(inputs=[t.name for t in ir.graph.inputs], outputs=[t.name for t in ir.graph.outputs])
+        graph["io"] = _io(ir)
+    manifest.update(kv_layout=dict(KV_LAYOUT), kv_dtype="uint8", kv_alignment="right",
+                    kv_encodings={"zero_point": PAD_VALUE, **{k: v for k, v in encodings.items() if k.endswith("_scales")}})
+    return {"format": "genai", "calibration": origin, "calibration_tokens": sum(len(s) for s in sequences),
+            "kv_max": {k: v for k, v in encodings.items() if k.endswith("_max")}}
 
 
 def _split(stage: Path, ir: IRModel, name: str, manifest_graph: dict[str, Any], options: LlmOptions) -> list[dict[str, Any]]:

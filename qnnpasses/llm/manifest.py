@@ -49,7 +49,12 @@ too; ``tokenizer`` -- present when the bundle holds the model's tokenizer (``qnn
 ``tokenizer.json`` and its companions from the model's folder or ``--tokenizer-dir DIR``):
 ``{"file": "tokenizer.json", "files": [every copied file], "vocab_size": n, "bos_token_id": id or
 null, "eos_token_ids": [ids generation stops at], "pad_token_id": id or null, "chat_template":
-bool}``; per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
+bool}``; ``kv_alignment`` -- ``left`` (default: valid cache entries in the first slots, the
+last prompt chunk padded at its end) or ``right`` (onnxruntime-genai's windowed cache: the entries
+in the last past slots, the first chunk padded at its start; :mod:`qnnpasses.llm.feed`);
+``kv_layout`` values ``BHSD``, ``HBDS`` (key transposed, ``[heads, 1, head_dim, slots]``) or
+``HBSD`` and ``kv_dtype`` ``uint8`` with ``kv_encodings`` ``{"zero_point": z, "key_scales":
+[per layer], "value_scales": [...]}`` (:mod:`qnnpasses.llm.kv_layout`); per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
 ``{"graph_optimization": "disable_all"}`` -- the compiled models were made, and the graphs
 probed, with onnxruntime's graph optimizations off; a runner creating HTP sessions on the
 ``.onnx`` parts should do the same (onnxruntime otherwise fuses a part's first residual Add into

@@ -136,6 +136,16 @@ class ReferenceModel:
         self._call(ids, 0, cache)
         return cache
 
+    def cache_ranges(self, sequences: list[list[int]]) -> dict[str, float]:
+        """The largest magnitude each past input reaches over ``sequences``, each read from an empty cache."""
+        peaks = dict.fromkeys(self.past, 0.0)
+        for ids in sequences:
+            cache = self._empty_cache()
+            self._feed(list(ids), 0, cache)
+            for name in self.past:
+                peaks[name] = max(peaks[name], float(np.abs(cache[name]).max(initial=0.0)))
+        return peaks
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """The logits of every position of ``ids`` (``[len(ids), vocab]``), from an empty cache."""
         return self._feed(list(ids), 0, self._empty_cache())

@@ -59,7 +59,8 @@ def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = T
             entry["parts"].append(item)
         entry["kv_cache_bytes"] = kv_cache_bytes(graph)
         entry["kv_cache_bytes_fp16"] = kv_cache_bytes(graph, 2)
-        if len(graph["parts"]) == 1:
+        # analyze reads past inputs as [1, heads, slots, head_dim]: not the transposed layouts
+        if len(graph["parts"]) == 1 and set((manifest.get("kv_layout") or {"key": "BHSD"}).values()) == {"BHSD"}:
             entry["analyze"] = analyze_kv(folder / graph["parts"][0]["onnx"], manifest["context"])
         if probe:
             entry["qnn_ops"] = sum(p.get("qnn_ops") or 0 for p in entry["parts"])

@@ -1,16 +1,11 @@
 """The generation loop of a deployed prefill + decode pair (``llm.json``, ``qnnpasses-llm/1``).
 
-:class:`Runner` owns the KV cache: one ``[1, kv_heads, context, head_dim]`` buffer per layer
-for keys and one for values, and ``valid_len``, the number of slots filled.  One call of a
-graph with ``tokens`` = S and ``past`` = P feeds
-
-* ``input_ids`` ``[1, S]`` (the last chunk padded with token 0),
-* ``attention_mask`` ``[1, P + S]``: 1 for cache slots below ``valid_len`` and for real new
-  tokens, 0 elsewhere,
-* ``position_ids`` ``[1, S]``: ``valid_len, valid_len + 1, ...``,
-* ``past_key[i]`` / ``past_value[i]``: cache slots ``0 .. P-1``,
-
-and writes the real tokens' ``new_key[i]`` / ``new_value[i]`` at slots ``valid_len ..``.
+:class:`Runner` owns the KV cache: one buffer of ``context`` slots per layer for keys and one
+for values, in the graphs' own form (:mod:`qnnpasses.llm.kv_layout`), and ``valid_len``, the
+number of entries held.  One call of a graph takes up to its ``tokens`` new tokens after them,
+fed as the bundle's runtime feeds them (:mod:`qnnpasses.llm.feed`: the cache left-aligned in
+our bundles, right-aligned in onnxruntime-genai's), and the real tokens' new K/V are stored at
+entries ``valid_len ..``.
 The prompt goes through the prefill graph in chunks of M while a chunk fits
 (``valid_len <= context - M``); what remains, and every generated token, goes through the
 decode graph.  Decoding is greedy unless a sampler chooses the tokens
@@ -32,10 +27,10 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from qnnpasses.llm.feed import ALIGNMENTS, call_feed, new_slots, store_new
+from qnnpasses.llm.kv_layout import CacheLayout, LayoutError
 from qnnpasses.llm.manifest import ManifestError, absolute_logits, load_manifest
 
-DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
-PAD_TOKEN = 0
 ON = ("htp", "cpu")
 
 
@@ -130,10 +125,6 @@ class _Graph:
             self.sessions.append(session)
             self.outputs.append([o.name for o in session.get_outputs()])
 
-    def dtype(self, role_name: str, default: Any) -> Any:
-        info = self.io.get(role_name)
-        return DTYPES.get(info["dtype"], default) if info else default
-
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every part in order, each fed by name from everything produced so far."""
         values = dict(feeds)
@@ -167,9 +158,14 @@ class Runner:
             self.kv_heads, self.head_dim = int(m["kv_heads"]), int(m["head_dim"])
         except (TypeError, ValueError):
             raise RunnerError(f"{directory}: context, layers, vocab, kv_heads and head_dim must be integers") from None
-        for layout in m.get("kv_layout", {"key": "BHSD"}).values():
-            if layout != "BHSD":
-                raise RunnerError(f"KV layout {layout} is not supported by this runner (BHSD only)")
+        try:
+            self.layout = CacheLayout(m)
+        except LayoutError as exc:
+            raise RunnerError(f"{directory}: {exc}") from None
+        alignment = m.get("kv_alignment", "left")
+        if alignment not in ALIGNMENTS:
+            raise RunnerError(f"{directory}: unknown kv_alignment {alignment!r} (known: {', '.join(ALIGNMENTS)})")
+        self.right = alignment == "right"
         from qnnpasses.backends.targets import from_dict
         from qnnpasses.errors import BadInputError
 
@@ -179,10 +175,8 @@ class Runner:
             raise RunnerError(f"{directory}: llm.json names an unknown target: {exc}") from None
         self.graphs = {name: _Graph(m, name, on, self.target) for name in ("prefill", "decode")}
         self.load_seconds = 0.0
-        kv_dtype = DTYPES.get(str(m.get("kv_dtype", "float32")), np.float32)
-        shape = (1, self.kv_heads, self.context, self.head_dim)
-        self.keys = [np.zeros(shape, kv_dtype) for _ in range(self.layers)]
-        self.values = [np.zeros(shape, kv_dtype) for _ in range(self.layers)]
+        self.keys = [self.layout.empty("key", self.context) for _ in range(self.layers)]
+        self.values = [self.layout.empty("value", self.context) for _ in range(self.layers)]
         self.valid_len = 0
         #: per graph: [calls, wall seconds] of every :meth:`step` so far
         self.timings: dict[str, list[float]] = {"prefill": [0, 0.0], "decode": [0, 0.0]}
@@ -219,37 +213,31 @@ class Runner:
             raise RunnerError(f"{graph_name} takes 1..{graph.tokens} tokens, got {count}")
         if v > graph.past or v + count > self.context:
             raise RunnerError(f"{graph_name}: {v} cached + {count} new tokens do not fit context {self.context}")
-        s, p = graph.tokens, graph.past
-        tokens = np.full((1, s), PAD_TOKEN, dtype=graph.dtype(roles["input_ids"], np.int64))
-        tokens[0, :count] = ids
-        mask = np.zeros((1, p + s), dtype=graph.dtype(roles["attention_mask"], np.int64))
-        mask[0, :v] = 1
-        mask[0, p : p + count] = 1
-        feeds = {roles["input_ids"]: tokens, roles["attention_mask"]: mask}
-        if roles.get("position_ids"):
-            dtype = graph.dtype(roles["position_ids"], np.int64)
-            feeds[roles["position_ids"]] = np.arange(v, v + s, dtype=dtype)[None]
-        for i in range(self.layers):
-            for role, cache in (("past_key", self.keys), ("past_value", self.values)):
-                name = roles[role][i]
-                feeds[name] = cache[i][:, :, :p].astype(graph.dtype(name, cache[i].dtype), copy=False)
+        spec = self.manifest["graphs"][graph_name]
+        cache = {roles[f"past_{kind}"][i]: buffers[i] for kind, buffers in (("key", self.keys), ("value", self.values))
+                 for i in range(self.layers)}
+        feeds = call_feed(spec, ids, v, cache, self.layout, self.right)
         start = time.perf_counter()
         out = graph.run(feeds)
         self.timings[graph_name][0] += 1
         self.timings[graph_name][1] += time.perf_counter() - start
-        for i in range(self.layers):
-            for role, cache in (("new_key", self.keys), ("new_value", self.values)):
-                cache[i][:, :, v : v + count] = out[roles[role][i]][:, :, :count]
+        store_new(spec, out, count, v, cache, self.layout, self.right)
         self.valid_len = v + count
-        return absolute_logits(out, roles)[0, :count]
+        return absolute_logits(out, roles)[0, new_slots(spec, count, self.right)]
 
     def feed(self, ids: list[int]) -> tuple[np.ndarray, int]:
         """Append ``ids`` to the cache: prefill chunks while they fit, then decode steps.
-        (the logits of every fed token ``[len(ids), vocab]``, the number of graph calls)."""
+        (the logits of every fed token ``[len(ids), vocab]``, the number of graph calls).
+
+        Right-aligned bundles take the short chunk first, as onnxruntime-genai pads a prompt on
+        the left to whole windows; ours take it last."""
         prefill, logits, done = self.graphs["prefill"], [], 0
         while done < len(ids):
             use_prefill = len(ids) - done > 1 and self.valid_len <= prefill.past
-            chunk = ids[done : done + (prefill.tokens if use_prefill else 1)]
+            size = prefill.tokens if use_prefill else 1
+            if use_prefill and self.right and done == 0:
+                size = (len(ids) - 1) % prefill.tokens + 1
+            chunk = ids[done : done + size]
             logits.append(self.step("prefill" if use_prefill else "decode", chunk))
             done += len(chunk)
         return (np.concatenate(logits) if logits else np.zeros((0, self.vocab), np.float32)), len(logits)

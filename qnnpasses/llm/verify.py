@@ -5,7 +5,9 @@
 processes a prompt in chunks of ``prefill`` tokens (the last chunk padded), then decodes
 greedily, on onnxruntime CPU, with the static graphs and with the original dynamic export
 (which sees the unpadded cache of exactly ``valid_len`` entries), and reports the largest
-difference of the logits and of the new K/V over every call.
+difference of the logits and of the new K/V over every call.  The cache is kept in the graphs'
+own form (:mod:`qnnpasses.llm.kv_layout`: order, dtype, 8-bit encodings); the original reads
+the same entries as float32, so each call is compared from the same past.
 """
 
 from __future__ import annotations
@@ -16,31 +18,18 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from qnnpasses.llm.feed import call_feed, new_slots, store_new
+from qnnpasses.llm.kv_layout import CacheLayout
 from qnnpasses.llm.manifest import absolute_logits
 from qnnpasses.llm.roles import reference_roles
 
-_NP = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float16": np.float16}
-
 
 def static_feed(graph: dict[str, Any], tokens: list[int], valid_len: int,
-                cache: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+                cache: dict[str, np.ndarray], layout: CacheLayout | None = None, right: bool = False) -> dict[str, np.ndarray]:
     """Inputs of one call of a manifest graph: ``tokens`` (at most ``graph['tokens']``) after
-    ``valid_len`` cached entries; ``cache`` maps past-input names to ``[1, H, >=past, D]`` arrays."""
-    roles, io = graph["roles"], graph["io"]
-    size, past = graph["tokens"], graph["past"]
-    if not 0 < len(tokens) <= size or valid_len > past:
-        raise ValueError(f"{len(tokens)} tokens after {valid_len} cached do not fit tokens={size}, past={past}")
-    ids = np.zeros((1, size), np.int64)
-    ids[0, :len(tokens)] = tokens
-    mask = np.zeros((1, past + size), np.int64)
-    mask[0, :valid_len] = 1
-    mask[0, past:past + len(tokens)] = 1
-    feed = {roles["input_ids"]: ids, roles["attention_mask"]: mask}
-    if roles.get("position_ids"):
-        feed[roles["position_ids"]] = (valid_len + np.arange(size, dtype=np.int64))[None]
-    for name in roles["past_key"] + roles["past_value"]:
-        feed[name] = np.ascontiguousarray(cache[name][:, :, :past])
-    return {k: v.astype(_NP[io[k]["dtype"]]) for k, v in feed.items() if k in io}
+    ``valid_len`` cached entries (:func:`qnnpasses.llm.feed.call_feed`); ``cache`` maps past-input
+    names to buffers of at least ``past`` slots, ``[1, H, slots, D]`` or in ``layout``."""
+    return call_feed(graph, tokens, valid_len, cache, layout, right)
 
 
 class PartsRunner:
@@ -58,7 +47,7 @@ class PartsRunner:
 
 
 def _reference_feed(session: ort.InferenceSession, roles: dict[str, Any], tokens: list[int], valid_len: int,
-                    cache: dict[str, np.ndarray], source: dict[str, Any]) -> dict[str, np.ndarray]:
+                    cache: dict[str, np.ndarray], source: dict[str, Any], layout: CacheLayout) -> dict[str, np.ndarray]:
     """The original's inputs for ``tokens`` after ``valid_len`` cached entries; layer i's past comes
     from the static graph's past input of layer i (so the layer order is checked too)."""
     types = {i.name: i.type for i in session.get_inputs()}
@@ -71,27 +60,30 @@ def _reference_feed(session: ort.InferenceSession, roles: dict[str, Any], tokens
     if source.get("position_ids"):
         feed[source["position_ids"]] = (valid_len + np.arange(len(tokens), dtype=int_type(source["position_ids"])))[None]
     for kind in ("key", "value"):
-        for static, original in zip(roles[f"past_{kind}"], source[f"past_{kind}"]):
-            feed[original] = np.ascontiguousarray(cache[static][:, :, :valid_len])
+        for layer, (static, original) in enumerate(zip(roles[f"past_{kind}"], source[f"past_{kind}"])):
+            feed[original] = layout.to_float(kind, layer, layout.take(kind, cache[static], valid_len))
     return feed
 
 
-def _call(runner, reference, ref_outputs, source, graph, chunk, valid, cache, worst) -> np.ndarray:
+def _call(runner, reference, ref_outputs, source, graph, chunk, valid, cache, worst, layout, right) -> np.ndarray:
     """One call of a static graph and of the original; updates ``worst`` and the cache; returns the reference logits."""
     roles = graph["roles"]
-    got = runner(static_feed(graph, chunk, valid, cache))
-    ref = dict(zip(ref_outputs, reference.run(ref_outputs, _reference_feed(reference, roles, chunk, valid, cache, source))))
-    count, logits = len(chunk), absolute_logits(got, roles)
-    worst["top1_agree"] += int(np.sum(np.argmax(logits[0, :count], -1) == np.argmax(ref[source["logits"]][0], -1)))
+    got = runner(call_feed(graph, chunk, valid, cache, layout, right))
+    feed = _reference_feed(reference, roles, chunk, valid, cache, source, layout)
+    ref = dict(zip(ref_outputs, reference.run(ref_outputs, feed)))
+    count, new = len(chunk), new_slots(graph, len(chunk), right)
+    logits = absolute_logits(got, roles)[:, new]
+    worst["top1_agree"] += int(np.sum(np.argmax(logits[0], -1) == np.argmax(ref[source["logits"]][0], -1)))
     worst["positions"] += count
-    worst["logits"] = max(worst["logits"], float(np.abs(logits[:, :count] - ref[source["logits"]]).max()))
+    worst["logits"] = max(worst["logits"], float(np.abs(logits - ref[source["logits"]]).max()))
     worst["logits_scale"] = max(worst["logits_scale"], float(np.abs(ref[source["logits"]]).max()))
     for kind in ("key", "value"):
-        for layer, (past, new) in enumerate(zip(roles[f"past_{kind}"], roles[f"new_{kind}"])):
+        for layer, name in enumerate(roles[f"new_{kind}"]):
             present = ref[source[f"present_{kind}"][layer]][:, :, valid:valid + count]
-            worst["kv"] = max(worst["kv"], float(np.abs(got[new][:, :, :count] - present).max()))
+            computed = layout.to_float(kind, layer, layout.take(kind, got[name], new.stop, new.start))
+            worst["kv"] = max(worst["kv"], float(np.abs(computed - present).max()))
             worst["kv_scale"] = max(worst["kv_scale"], float(np.abs(present).max()))
-            cache[past][:, :, valid:valid + count] = got[new][:, :, :count]
+    store_new(graph, got, count, valid, cache, layout, right)
     worst["calls"] += 1
     return ref[source["logits"]]
 
@@ -110,20 +102,21 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
     source = reference_roles([i.name for i in reference.get_inputs()], ref_outputs,
                              lambda: manifest["source_roles"], trust_names=not manifest["source_roles"].get("given"))
     roles = manifest["graphs"]["decode"]["roles"]
-    cache = {n: np.zeros((1, manifest["kv_heads"], context, manifest["head_dim"]), np.float32)
-             for n in roles["past_key"] + roles["past_value"]}
+    layout = CacheLayout(manifest)
+    right = manifest.get("kv_alignment", "left") == "right"
+    cache = {n: layout.empty(kind, context) for kind in ("key", "value") for n in roles[f"past_{kind}"]}
     worst: dict[str, Any] = {"logits": 0.0, "kv": 0.0, "calls": 0, "top1_agree": 0, "positions": 0,
                              "logits_scale": 0.0, "kv_scale": 0.0}
     valid = 0
     for start in range(0, len(prompt), size):
         chunk = prompt[start:start + size]
         logits = _call(runners["prefill"], reference, ref_outputs, source, manifest["graphs"]["prefill"], chunk, valid,
-                       cache, worst)
+                       cache, worst, layout, right)
         valid += len(chunk)
     tokens = [int(np.argmax(logits[0, -1]))]
     while len(tokens) < new_tokens:
         logits = _call(runners["decode"], reference, ref_outputs, source, manifest["graphs"]["decode"], tokens[-1:], valid,
-                       cache, worst)
+                       cache, worst, layout, right)
         valid += 1
         tokens.append(int(np.argmax(logits[0, -1])))
     worst["tokens"] = tokens
