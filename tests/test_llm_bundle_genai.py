@@ -129,6 +129,29 @@ def test_onnxruntime_genai_generates_our_tokens(bundle, capsys):
         assert theirs["tokens"] == ours["tokens"] and len(ours["tokens"]) == NEW, len(prompt)
 
 
+def test_split_graphs_are_pipeline_models_in_order(folder, tmp_path, capsys):
+    """--parts: each part is one pipeline model, run in order, tensors passed by name; the parts
+    compute what the whole pair computes, and onnxruntime-genai still generates our tokens."""
+    og = pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "parts"
+    build(folder, out, context=CONTEXT, prefill=PREFILL, parts=2, compile=False, probe=False, bundle="genai")
+    report = json.loads((out / "report.json").read_text())
+    assert report["parts_verification"]["ok"] and report["parts_verification"]["tokens"] == report["bundle_verification"]["tokens"]
+    pipeline = json.loads((out / CONFIG_NAME).read_text())["model"]["decoder"]["pipeline"]
+    names = [next(iter(entry)) for entry in pipeline]
+    assert names == ["prompt_1_of_2", "prompt_2_of_2", "token_1_of_2", "token_2_of_2"]
+    assert [entry[n]["filename"] for entry, n in zip(pipeline, names)] == [
+        "prefill.part0.onnx", "prefill.part1.onnx", "decode.part0.onnx", "decode.part1.onnx"]
+    if og.__version__ not in HOST_VERSIONS:
+        pytest.skip(f"onnxruntime-genai {og.__version__}: no windowed cache on the CPU")
+    for prompt in prompts()[::2]:
+        ids = ",".join(map(str, prompt))
+        ours = run_json(capsys, out, "--prompt-ids", ids, "--max-new-tokens", NEW, "--on", "cpu", "--ignore-eos")
+        theirs = run_json(capsys, out, "--prompt-ids", ids, "--max-new-tokens", NEW, "--on", "cpu", "--ignore-eos",
+                          "--runtime", "onnxruntime-genai")
+        assert theirs["tokens"] == ours["tokens"] and len(ours["tokens"]) == NEW
+
+
 def test_the_8_bit_cache_against_the_original(bundle, folder, capsys):
     """Teacher-forced top-1 of the uint8-cache pair vs the original (fp32), and the build's record
     of it: the float pair is checked to rounding first, the 8-bit one is measured."""
@@ -160,7 +183,6 @@ def test_both_graphs_on_the_htp_and_its_tokens(bundle, capsys):
     ({"precision": "w8a16", "calib": "x.npy"}, "--precision fp16"),
     ({"prefill": 1}, "at least 2"),
     ({"context": 12}, "twice --prefill"),
-    ({"parts": 2}, "--parts"),
 ])
 def test_requests_the_windowed_cache_cannot_honour_exit_2(folder, tmp_path, capsys, options, message):
     args = {"context": CONTEXT, "prefill": PREFILL, **options}

@@ -143,8 +143,7 @@ def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
     if options.bundle == "genai":
         from qnnpasses.llm.genai import check_request
 
-        check_request(options.context, options.prefill, options.precision,
-                      options.parts is not None or options.max_part_bytes is not None)
+        check_request(options.context, options.prefill, options.precision)
 
 
 def _static_dim(dim) -> int | None:
@@ -409,8 +408,12 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
             entries = _split(stage, ir, name, manifest["graphs"][name], options)
             manifest["graphs"][name]["parts"] = entries
-        report["parts_verification"] = _verify(stage, manifest, model, options,
-                                               tolerance=CPU_TOLERANCE if options.precision == "fp16" else None)
+        if genai:  # the 8-bit pair is measured, not bounded: its parts must measure what it measured
+            report["parts_verification"] = _same_as_whole(_verify(stage, manifest, model, options, tolerance=None),
+                                                          report["bundle_verification"])
+        else:
+            report["parts_verification"] = _verify(stage, manifest, model, options,
+                                                   tolerance=CPU_TOLERANCE if options.precision == "fp16" else None)
     from qnnpasses.backends.htp import htp_available
     from qnnpasses.llm.report import graph_facts
 
@@ -466,6 +469,18 @@ def _genai_form(stage: Path, manifest: dict[str, Any], irs: dict[str, IRModel], 
                     kv_encodings={"zero_point": PAD_VALUE, **{k: v for k, v in encodings.items() if k.endswith("_scales")}})
     return {"format": "genai", "calibration": origin, "calibration_tokens": sum(len(s) for s in sequences),
             "kv_max": {k: v for k, v in encodings.items() if k.endswith("_max")}}
+
+
+def _same_as_whole(parts: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any]:
+    """The split pair's check against the unsplit one's (same feeds): running the parts in order
+    computes the same graph, so every figure agrees to float32 rounding and the tokens are equal."""
+    for key in ("logits", "kv"):
+        if abs(parts[key] - whole[key]) > CPU_TOLERANCE + CPU_RTOL * whole[f"{key}_scale"]:
+            raise CheckFailedError(f"the parts compute other {key} than the whole graph: max abs {parts[key]:.3g} "
+                                   f"against {whole[key]:.3g}")
+    if parts["tokens"] != whole["tokens"]:
+        raise CheckFailedError("the parts generate other tokens than the whole graph")
+    return {**parts, "ok": True, "against": "the unsplit pair"}
 
 
 def _split(stage: Path, ir: IRModel, name: str, manifest_graph: dict[str, Any], options: LlmOptions) -> list[dict[str, Any]]:

@@ -44,12 +44,10 @@ PAD_VALUE = 128
 KV_LAYOUT = {"key": "HBDS", "value": "HBSD"}
 
 
-def check_request(context: int, prefill: int, precision: str, split: bool) -> None:
+def check_request(context: int, prefill: int, precision: str) -> None:
     """Refuse what onnxruntime-genai's windowed cache cannot run (one line each, before any work)."""
     if precision != "fp16":
         raise BadInputError(f"--bundle genai takes --precision fp16 for now (got {precision})")
-    if split:
-        raise BadInputError("--bundle genai writes each graph whole for now: drop --parts / --max-part-bytes")
     if prefill < 2:
         raise BadInputError("--bundle genai needs --prefill of at least 2 (onnxruntime-genai's window)")
     if context < 2 * prefill:
@@ -64,12 +62,16 @@ def check_model(local_layers: dict[str, int]) -> None:
                             "layers): their masks assume the cache is left-aligned; use the default bundle")
 
 
-def _graph_entry(name: str, graph: dict[str, Any], compiled: bool, prompt: bool) -> dict[str, Any]:
-    """One pipeline model; it inherits the decoder's session options."""
-    part = graph["parts"][0]
-    return {name: {"filename": part["compiled"] if compiled else part["onnx"],
-                   "inputs": part["inputs"], "outputs": part["outputs"],
-                   "run_on_prompt": prompt, "run_on_token_gen": not prompt}}
+def _graph_entries(name: str, graph: dict[str, Any], compiled: bool, prompt: bool) -> list[dict[str, Any]]:
+    """The pipeline models of one graph, a part each in run order (tensors pass between them by
+    name); they inherit the decoder's session options."""
+    entries = []
+    for number, part in enumerate(graph["parts"]):
+        key = name if len(graph["parts"]) == 1 else f"{name}_{number + 1}_of_{len(graph['parts'])}"
+        entries.append({key: {"filename": part["compiled"] if compiled else part["onnx"],
+                              "inputs": part["inputs"], "outputs": part["outputs"],
+                              "run_on_prompt": prompt, "run_on_token_gen": not prompt}})
+    return entries
 
 
 def qnn_session_options(target: dict[str, Any]) -> dict[str, Any]:
@@ -103,8 +105,8 @@ def genai_config(manifest: dict[str, Any], host: bool = False) -> dict[str, Any]
                     "present_value_names": "past_value_%d_out"},
         "sliding_window": {"window_size": manifest["prefill"], "pad_value": PAD_VALUE, "alignment": "right",
                            "slide_key_value_cache": True, "slide_inputs": True},
-        "pipeline": [_graph_entry("prompt", graphs["prefill"], compiled, True),
-                     _graph_entry("token", graphs["decode"], compiled, False)],
+        "pipeline": [*_graph_entries("prompt", graphs["prefill"], compiled, True),
+                     *_graph_entries("token", graphs["decode"], compiled, False)],
     }
     model = {"type": "decoder-pipeline", "context_length": manifest["context"], "vocab_size": manifest["vocab"],
              "bos_token_id": text.get("bos_token_id") if text.get("bos_token_id") is not None else pad,
