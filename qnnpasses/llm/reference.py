@@ -136,12 +136,17 @@ class ReferenceModel:
         self._call(ids, 0, cache)
         return cache
 
+    def cache(self, ids: list[int]) -> dict[str, np.ndarray]:
+        """Every past input's entries after reading ``ids`` from an empty cache."""
+        cache = self._empty_cache()
+        self._feed(list(ids), 0, cache)
+        return cache
+
     def cache_ranges(self, sequences: list[list[int]]) -> dict[str, float]:
         """The largest magnitude each past input reaches over ``sequences``, each read from an empty cache."""
         peaks = dict.fromkeys(self.past, 0.0)
         for ids in sequences:
-            cache = self._empty_cache()
-            self._feed(list(ids), 0, cache)
+            cache = self.cache(ids)
             for name in self.past:
                 peaks[name] = max(peaks[name], float(np.abs(cache[name]).max(initial=0.0)))
         return peaks
