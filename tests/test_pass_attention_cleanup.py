@@ -1,5 +1,6 @@
-"""attention-cleanup: NaN guards removed only where mask analysis allows it; -inf/finfo.min masks
-made finite (-1e4): identical softmax on CPU, and the QNN quantization recipe works on the HTP."""
+"""attention-cleanup: row guards removed only where mask analysis allows it; -inf/finfo.min masks
+made finite (-1e4); fully masked query rows keep the original's value; identical softmax on CPU,
+and the QNN quantization recipe works on the HTP."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def test_folded_causal_mask_proves_every_row_keeps_a_key():
     feeds = _feeds()
     before = run_cpu(ir, _inputs(ir, feeds))["y"]
     record, after = _run(ir, "attention-cleanup", feeds)
-    assert record.stats == {"nan_guards_removed": 1, "nan_guards_kept": 0, "mask_constants_replaced": 1,
-                            "mask_values_replaced": 1}
+    assert record.stats == {"nan_guards_removed": 1, "nan_guards_kept": 0, "masked_row_tests": 0,
+                            "mask_constants_replaced": 1, "mask_values_replaced": 1}
     assert ops(ir)["IsNaN"] == 0 and ops(ir)["Where"] == 1
     where = next(n for n in ir.graph.nodes if n.op == "Where")
     assert np.ravel(where.inputs[2].values).tolist() == [-1e4]
@@ -80,25 +81,62 @@ def test_folded_causal_mask_proves_every_row_keeps_a_key():
 
 
 def test_padding_mask_from_an_input_keeps_the_guard_unless_assumed():
+    """The guard stays, testing the row maximum (IsNaN never fires on a finite mask): fully masked
+    rows give the original's 0, every other row is unchanged."""
     mask = "c = And(causal, pad) \n m = Where(c, zero, minf)"
     ir = _model(mask, extra=", bool[1,1,1,4] pad", inits=", float minf = {-inf}")
-    record, _ = _run(ir, "attention-cleanup", _feeds())
-    assert record.stats["nan_guards_kept"] == 1 and record.stats["nan_guards_removed"] == 0
-    assert ops(ir)["IsNaN"] == 1 and record.stats["mask_constants_replaced"] == 1
-    ir = _model(mask, extra=", bool[1,1,1,4] pad", inits=", float minf = {-inf}")
-    record, _ = _run(ir, "attention-cleanup{assume_unmasked_rows=true}", _feeds())
-    assert record.stats["nan_guards_removed"] == 1 and ops(ir)["IsNaN"] == 0
-
-
-def test_finite_finfo_min_mask_proves_the_guard_dead_even_for_fully_masked_rows():
-    """finfo.min + finite scores never reaches -inf in float32: the guard never fires."""
-    mask = "c = And(causal, pad) \n m = Where(c, zero, fmin)"
-    ir = _model(mask, extra=", bool[1,1,1,4] pad", inits=f", float fmin = {{{FMIN!r}}}")
     feeds = _feeds(pad=2)  # rows 0 and 1 see no key at all
     before = run_cpu(ir, _inputs(ir, feeds))["y"]
-    record, after = _run(ir, "attention-cleanup{finite_masks=false}", feeds)
-    assert record.stats["nan_guards_removed"] == 1 and ops(ir)["IsNaN"] == 0
-    np.testing.assert_array_equal(after, before)
+    record, after = _run(ir, "attention-cleanup", feeds)
+    assert record.stats["nan_guards_kept"] == 1 and record.stats["nan_guards_removed"] == 0
+    assert record.stats["masked_row_tests"] == 1 and record.stats["mask_constants_replaced"] == 1
+    assert ops(ir)["IsNaN"] == 0 and ops(ir)["Less"] == 1 and ops(ir)["ReduceMax"] == 1
+    assert np.all(before[:, :, :2] == 0)
+    np.testing.assert_allclose(after, before, atol=1e-6)
+    ir = _model(mask, extra=", bool[1,1,1,4] pad", inits=", float minf = {-inf}")
+    record, _ = _run(ir, "attention-cleanup{assume_unmasked_rows=true}", _feeds())
+    assert record.stats["nan_guards_removed"] == 1 and ops(ir)["IsNaN"] == 0 and ops(ir)["Less"] == 0
+
+
+def test_unguarded_finfo_min_rows_stay_uniform():
+    """No guard, finfo.min: a fully masked row is uniform (all its inputs round to finfo.min); the
+    clamp Max(x, -5000) keeps it so, at one op."""
+    mask = "c = And(causal, pad) \n m = Where(c, zero, fmin)"
+    ir = _model(mask, extra=", bool[1,1,1,4] pad", inits=f", float fmin = {{{FMIN!r}}}", guard=False)
+    feeds = _feeds(pad=2)
+    before = run_cpu(ir, _inputs(ir, feeds))["y"]
+    record, after = _run(ir, "attention-cleanup", feeds)
+    assert record.stats["masked_row_tests"] == 1 and ops(ir)["Max"] == 1 and ops(ir)["Where"] == 1
+    np.testing.assert_allclose(before[:, :, :2], np.broadcast_to(feeds["v"].mean(axis=2, keepdims=True),
+                                                                 (1, 2, 2, 8)), atol=1e-6)
+    np.testing.assert_allclose(after, before, atol=1e-6)
+
+
+def test_unguarded_minus_inf_rows_are_undefined():
+    """No guard, -inf: a fully masked row is NaN in the original; no row test is added."""
+    mask = "c = And(causal, pad) \n m = Where(c, zero, minf)"
+    ir = _model(mask, extra=", bool[1,1,1,4] pad", inits=", float minf = {-inf}", guard=False)
+    feeds = _feeds(pad=2)
+    before = run_cpu(ir, _inputs(ir, feeds))["y"]
+    record, after = _run(ir, "attention-cleanup", feeds)
+    assert record.stats["masked_row_tests"] == 0 and record.stats["mask_constants_replaced"] == 1
+    assert np.isnan(before[:, :, :2]).all() and np.isfinite(after).all()
+    np.testing.assert_allclose(after[:, :, 2:], before[:, :, 2:], atol=1e-6)
+
+
+def test_bool_mask_input_with_an_empty_row_and_symbolic_keys():
+    """A boolean query x key mask given as an input, keys of unknown length."""
+    sig = "g (float[1,2,4,8] q, float[1,2,N,8] k, float[1,2,N,8] v, bool[4,N] am) => (float[1,2,4,8] y)"
+    body = "m = Where(am, zero, fmin)" + ATTENTION + "\n y = Identity(y0)"
+    ir = parse(body, sig + f" <float zero = {{0.0}}, float fmin = {{{FMIN!r}}}>")
+    feeds = _feeds()
+    feeds["am"] = np.tril(np.ones((4, 4), bool))
+    feeds["am"][1] = False  # query row 1 sees no key
+    before = run_cpu(ir, {k: feeds[k] for k in ("q", "k", "v", "am")})["y"]
+    record = apply(ir, "attention-cleanup", inputs={k: feeds[k] for k in ("q", "k", "v", "am")})
+    after = run_cpu(ir, {k: feeds[k] for k in ("q", "k", "v", "am")})["y"]
+    assert record.stats["masked_row_tests"] == 1 and ops(ir)["Max"] == 1
+    np.testing.assert_allclose(after, before, atol=1e-6)
 
 
 @pytest.mark.parametrize("mask_body,inits", [
@@ -108,15 +146,15 @@ def test_finite_finfo_min_mask_proves_the_guard_dead_even_for_fully_masked_rows(
 def test_additive_mask_spellings_become_finite(mask_body, inits):
     extra = ", float[1,1,1,4] keep" if "keep" in mask_body else ", bool[1,1,1,4] pad"
     ir = _model(mask_body, extra=extra, inits=inits, guard=False)
-    feeds = _feeds(pad=1)  # key 0 masked: every row but row 0 still sees a key
+    feeds = _feeds(pad=1)  # key 0 masked: row 0 sees no key
     before = run_cpu(ir, _inputs(ir, feeds))["y"]
-    record = apply(ir, "attention-cleanup", inputs=_inputs(ir, _feeds()))  # verified without padding
+    record = apply(ir, "attention-cleanup", inputs=_inputs(ir, _feeds()))
     after = run_cpu(ir, _inputs(ir, feeds))["y"]
     assert record.stats["mask_constants_replaced"] == 1
     constants = [float(np.ravel(t.values)[0]) for t in ir.graph.tensors().values()
                  if isinstance(t, gs.Constant) and t.values.dtype == np.float32 and t.values.size == 1]
     assert -1e4 in constants and min(constants) == -1e4
-    np.testing.assert_allclose(after[:, :, 1:], before[:, :, 1:], atol=1e-6)  # row 0 is fully masked
+    np.testing.assert_allclose(after, before, atol=1e-6)  # row 0 too
 
 
 def test_moderate_masks_and_clamps_are_left_alone():
@@ -133,36 +171,37 @@ def test_mask_value_must_fit_fp16():
 
 # --------------------------------------------------------------------------- real fixtures
 
-@pytest.mark.parametrize("name,spec,removed,kept,constants", [
-    ("llama_gqa_sdpa_ts", "attention-cleanup", 0, 2, 2),  # -inf mask with padding: unprovable
-    ("llama_gqa_sdpa_ts", "attention-cleanup{assume_unmasked_rows=true}", 2, 0, 2),
-    ("llama_gqa_sdpa_dynamo", "attention-cleanup", 2, 0, 1),  # finfo.min mask: guard provably dead
-    ("llama_gqa_ts", "attention-cleanup", 0, 0, 1),
-    ("llama_gqa_kv_dynamo", "attention-cleanup", 0, 0, 1),
-    ("mistral_ts", "attention-cleanup", 0, 0, 1),
-    ("phi3_dynamo", "attention-cleanup", 0, 0, 1),
-    ("gpt2_ts", "attention-cleanup", 0, 0, 1),
-    ("bert_dynamo", "attention-cleanup", 0, 0, 1),
+@pytest.mark.parametrize("name,spec,removed,kept,tests,constants", [
+    ("llama_gqa_sdpa_ts", "attention-cleanup", 0, 2, 2, 2),  # -inf mask with padding: unprovable
+    ("llama_gqa_sdpa_ts", "attention-cleanup{assume_unmasked_rows=true}", 2, 0, 0, 2),
+    ("llama_gqa_sdpa_dynamo", "attention-cleanup", 2, 0, 2, 1),  # finfo.min: never NaN, rows may be uniform
+    ("llama_gqa_ts", "attention-cleanup", 0, 0, 2, 1),
+    ("llama_gqa_kv_dynamo", "attention-cleanup", 0, 0, 2, 1),
+    ("mistral_ts", "attention-cleanup", 0, 0, 2, 1),
+    ("phi3_dynamo", "attention-cleanup", 0, 0, 2, 1),
+    ("gpt2_ts", "attention-cleanup", 0, 0, 2, 1),
+    ("bert_dynamo", "attention-cleanup", 0, 0, 2, 1),
 ])
-def test_fixture_outputs_unchanged(name, spec, removed, kept, constants):
+def test_fixture_outputs_unchanged(name, spec, removed, kept, tests, constants):
+    """Verified by the manager on every case, padded-left (fully masked rows) included unless assumed."""
     ir = prepared(name)
     record = apply(ir, spec)
     assert record.stats["nan_guards_removed"] == removed and record.stats["nan_guards_kept"] == kept
-    assert record.stats["mask_constants_replaced"] == constants
-    assert ops(ir)["IsNaN"] == kept
+    assert record.stats["masked_row_tests"] == tests and record.stats["mask_constants_replaced"] == constants
+    assert ops(ir)["IsNaN"] == 0
     assert max_abs_vs(ir, fixture_outputs(name), fixture_inputs(name)) <= 1e-4
 
 
-def test_left_padded_rows_with_a_visible_key_are_unchanged():
+def test_left_padded_rows_keep_the_originals_values():
     name = "llama_gqa_ts"
     inputs = fixture_inputs(name)
     inputs["attention_mask"] = inputs["attention_mask"].copy()
     inputs["attention_mask"][:, :4] = 0  # left padding: query rows 0..3 see no key
     original = prepared(name)
     reference = run_cpu(original, inputs)["logits"]
-    apply(original, "attention-cleanup")  # verified by the manager on unpadded inputs
+    apply(original, "attention-cleanup")
     got = run_cpu(original, inputs)["logits"]
-    assert np.max(np.abs(got[:, 4:] - reference[:, 4:])) <= 1e-4
+    assert np.max(np.abs(got - reference)) <= 1e-4
 
 
 @requires_htp

@@ -314,6 +314,6 @@ def test_passes_command_shows_contracts(capsys):
     assert main(["passes"]) == 0
     out = capsys.readouterr().out
     assert "contract: approximate" in out and "needs --allow-lossy" in out  # mha-to-gqa
-    assert "contract: exact assuming every query row keeps a visible key" in out
+    assert "contract: exact assuming scores stay within +-|mask_value|/2" in out
     assert main(["passes", "--properties"]) == 0
     assert "static-shapes" in capsys.readouterr().out

@@ -5,8 +5,9 @@ constants and op semantics and evaluated in float32 range (a sum below -FLT_MAX 
 as it is when onnxruntime adds ``finfo.min`` twice).  Scores (MatMul outputs) are assumed
 finite and within ``SCORE_BOUND``; a float graph input is unbounded; booleans are [0, 1].
 
-``rows_keep(t)`` proves that every row (last axis) of ``t`` holds at least one value above
--inf, i.e. that no query row is fully masked: true when ``t`` is bounded below, or for a
+``rows_keep(t, level)`` proves that every row (last axis) of ``t`` holds at least one value
+above ``level``: above -inf (a softmax over it is never NaN), or above a mask threshold (no
+query row is fully masked).  True when ``t`` is bounded below ``level``, or for a
 constant (folded causal/sliding-window) mask whose rows each keep a key, or for
 ``Where(cond, finite, -inf)`` whose boolean ``cond`` keeps a key in every row (a constant,
 or an ``Or`` with one), or an ``Add`` of such a mask and a bounded tensor.  A padding mask
@@ -16,10 +17,12 @@ rows.
 ``mask_cone(t)`` lists every (node, input index, constant) that flows into ``t`` without
 crossing a MatMul: the constants an additive mask or a masking ``Where`` is built from;
 ``replace_mask_constants`` makes those at or below a threshold finite (attention-cleanup's
-and quant-mask's rewrite).
+and quant-mask's rewrite) and says which softmaxes it changed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -68,6 +71,8 @@ def bounds(tensor: gs.Tensor, depth: int = 0) -> tuple[float, float]:
     node = producer(tensor)
     if node is None:
         return _input_bounds(tensor)
+    if node.op == "MatMul":  # scores: assumed, so no weight behind them is read
+        return (-SCORE_BOUND, SCORE_BOUND)
     if depth > 24:
         return UNKNOWN
     inputs = [bounds(t, depth + 1) if t.name else UNKNOWN for t in node.inputs]
@@ -125,30 +130,32 @@ def finite(interval: tuple[float, float]) -> bool:
     return bool(np.isfinite(interval[0]) and np.isfinite(interval[1]))
 
 
-def rows_keep(tensor: gs.Tensor, depth: int = 0) -> bool:
-    """True when every row (last axis) of ``tensor`` provably holds a value above -inf (or a True)."""
+def rows_keep(tensor: gs.Tensor, level: float = -np.inf, depth: int = 0) -> bool:
+    """True when every row (last axis) of ``tensor`` provably holds a value above ``level`` (or a
+    True).  ``level`` -inf: no row is all -inf (a softmax over it is never NaN); a mask
+    threshold: every row keeps a key the mask leaves visible (no row is fully masked)."""
     value = constant_value(tensor)
     if value is not None:
         if value.dtype == np.bool_:
             return bool(np.all(np.any(value, axis=-1))) if value.ndim else bool(value)
-        return bool(np.all(np.any(value > -np.inf, axis=-1))) if value.ndim else bool(value > -np.inf)
-    if bounds(tensor)[0] > -np.inf and tensor.dtype != np.bool_:
+        return bool(np.all(np.any(value > level, axis=-1))) if value.ndim else bool(value > level)
+    if bounds(tensor)[0] > level and tensor.dtype != np.bool_:
         return True
     node = producer(tensor)
     if node is None or depth > 24:
         return False
     if node.op in _ROW_PRESERVING:
-        return rows_keep(node.inputs[0], depth + 1)
+        return rows_keep(node.inputs[0], level, depth + 1)
     if node.op == "Or":
-        return any(rows_keep(t, depth + 1) for t in node.inputs)
-    if node.op == "Where":
-        return bounds(node.inputs[1])[0] > -np.inf and rows_keep(node.inputs[0], depth + 1)
+        return any(rows_keep(t, level, depth + 1) for t in node.inputs)
+    if node.op == "Where":  # the kept branch is a real score, finite
+        return bounds(node.inputs[1])[0] > -np.inf and rows_keep(node.inputs[0], level, depth + 1)
     if node.op == "Add":
         a, b = node.inputs
-        return any(bounds(other)[0] > -np.inf and rows_keep(mask, depth + 1) for mask, other in ((a, b), (b, a)))
+        return any(bounds(other)[0] > -np.inf and rows_keep(mask, level, depth + 1) for mask, other in ((a, b), (b, a)))
     if node.op in ("Mul", "Div") and any(_positive_scalar(t) for t in node.inputs[1 if node.op == "Div" else 0:]):
         data = next(t for t in node.inputs if not _positive_scalar(t))
-        return rows_keep(data, depth + 1)
+        return rows_keep(data, level, depth + 1)
     return False
 
 
@@ -173,22 +180,37 @@ def mask_cone(tensor: gs.Tensor, limit: int = 64) -> list[tuple[gs.Node, int, gs
     return found
 
 
+@dataclass
+class MaskRewrite:
+    """What ``replace_mask_constants`` changed: constants, values, and for each Softmax whose
+    mask cone changed (by ``id``) the lowest value it replaced (-inf, or a finite big negative)."""
+
+    constants: int = 0
+    values: int = 0
+    lowest: dict[int, float] = field(default_factory=dict)
+
+
 def replace_mask_constants(ir: IRModel, ctx: PassContext, softmaxes: list[gs.Node], mask_value: float,
-                           threshold: float) -> tuple[int, int]:
+                           threshold: float) -> MaskRewrite:
     """Every float constant in the softmax inputs' mask cones with elements at or below
-    ``threshold`` (or -inf) gets those elements set to ``mask_value``; returns how many
-    constants and how many values changed.  Call ``finish`` afterwards when any did."""
+    ``threshold`` (or -inf) gets those elements set to ``mask_value``.  Call ``finish``
+    afterwards when any did."""
     replaced: dict[int, gs.Tensor | None] = {}
-    values = 0
-    for softmax in softmaxes:
-        for node, index, constant in mask_cone(softmax.inputs[0]):
+    out = MaskRewrite()
+    cones = [(softmax, mask_cone(softmax.inputs[0])) for softmax in softmaxes]  # before any changes:
+    for softmax, cone in cones:                                                 # layers share masks
+        for node, index, constant in cone:
             if id(constant) not in replaced:
                 replaced[id(constant)] = _finite(ir, ctx, constant, mask_value, threshold)
                 new = replaced[id(constant)]
-                values += 0 if new is None else int(np.count_nonzero(constant_value(constant) != new.values))
+                out.values += 0 if new is None else int(np.count_nonzero(constant_value(constant) != new.values))
             if replaced[id(constant)] is not None:
+                old = constant_value(constant)
+                low = float(old[np.isneginf(old) | (old <= threshold)].min())
+                out.lowest[id(softmax)] = min(low, out.lowest.get(id(softmax), np.inf))
                 node.inputs[index] = replaced[id(constant)]
-    return sum(v is not None for v in replaced.values()), values
+    out.constants = sum(v is not None for v in replaced.values())
+    return out
 
 
 def _finite(ir: IRModel, ctx: PassContext, constant: gs.Tensor, mask_value: float, threshold: float) -> gs.Constant | None:

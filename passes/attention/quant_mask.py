@@ -75,7 +75,7 @@ class QuantMask(Pass):
         magnitude = float(math.ceil(spread + self.options.margin)) if spread is not None else self.options.fallback
         replaced = 0
         if -magnitude > self.options.threshold:  # else the scores spread so far that the mask cannot shrink
-            replaced, _ = replace_mask_constants(ir, ctx, softmaxes, -magnitude, self.options.threshold)
+            replaced = replace_mask_constants(ir, ctx, softmaxes, -magnitude, self.options.threshold).constants
             if replaced:
                 finish(ir)
         stats = {"mask_constants_replaced": replaced, "mask_value": -magnitude,

@@ -168,6 +168,18 @@ def verification_cases(ir: IRModel, seed: int = 0, shapes: dict[str, list[int]] 
         cases += [VerificationCase("padded-right", right, f"last quarter of {names} zero"),
                   VerificationCase("padded-left", left, f"first quarter of {names} zero: causal models get fully masked rows"),
                   VerificationCase("masked", scattered, f"30% of {names} zero, position 0 kept")]
+        grids = [m for m in masks if base[m].ndim >= 2 and base[m].shape[-2] >= 2]  # query x key masks
+        if grids:
+            row, causal = dict(base), dict(base)
+            for m in grids:
+                queries, keys = base[m].shape[-2:]
+                row[m] = base[m].copy()
+                row[m][..., 0, :] = 0
+                seen = np.arange(keys)[None, :] <= np.arange(queries)[:, None] + (keys - queries)
+                causal[m] = np.where(seen, base[m], 0).astype(base[m].dtype)
+            grid_names = ", ".join(grids)
+            cases += [VerificationCase("row-masked", row, f"first query row of {grid_names} all masked"),
+                      VerificationCase("causal", causal, f"{grid_names} lower-triangular")]
     extreme = _extreme_inputs(ir, base, set(masks), seed + 2)
     if extreme is not None:
         cases.append(VerificationCase("extreme", extreme, f"floats x{EXTREME_FLOAT_SCALE:g}, largest valid ids"))

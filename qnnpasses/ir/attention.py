@@ -4,10 +4,12 @@ An attention block is found from its ``Softmax``, whatever the exporter wrote ar
 
 * **score region**: every node between the Q·Kᵀ ``MatMul`` and the P·V ``MatMul``: the
   scale (``Mul``/``Div``), the mask (``Add`` of an additive mask, or ``Where(cond, s, -big)``),
-  casts, soft-capping, the ``Softmax`` over the last axis and the NaN guard that SDPA exports
-  put after it (``Where(IsNaN(p), 0, p)``).  The region must be closed: none of its tensors
-  is read outside it (an ``output_attentions`` output stops the match).  Inputs entering the
-  region from outside are its *operands* (mask, scale constants).
+  casts, soft-capping, the ``Softmax`` over the last axis and the row guard an export puts
+  after it for query rows whose keys are all masked (``Where(IsNaN(p), 0, p)`` in SDPA
+  exports, ``Where(Equal(ReduceMax(bias), -inf), 0, p)`` in ONNX's Attention function;
+  a guard's row maximum of the scores is a row op, as the Softmax is).  The region must be
+  closed: none of its tensors is read outside it (an ``output_attentions`` output stops the
+  match).  Inputs entering the region from outside are its *operands* (mask, scale constants).
 * **key / value side**: the ``MatMul`` input is traced back through layout ops (Transpose,
   Reshape, Unsqueeze/Squeeze, Identity) and scalar Mul/Div (SDPA splits the scale as
   ``sqrt(scale)`` onto Q and K) to the HF ``repeat_kv`` (``Unsqueeze``/``Reshape`` to
@@ -57,12 +59,23 @@ def _consumers(tensor: gs.Tensor) -> list[gs.Node]:
 # --------------------------------------------------------------------------- score region
 
 
-@dataclass
-class NaNGuard:
-    """``Where(IsNaN(p), 0, p)`` after the Softmax: SDPA's fully-masked-row guard."""
+# Row reductions that may sit in the score region: over the last axis, keeping it.
+ROW_REDUCTIONS = frozenset({"ReduceMax", "ReduceMean", "ReduceSum"})
+NAN_GUARD, ROW_MAX_GUARD = "nan", "row-max"
 
-    isnan: gs.Node
+
+@dataclass
+class RowGuard:
+    """``Where(test, 0, p)`` after the Softmax: what a query row whose keys are all masked gets.
+
+    ``kind`` ``nan``: ``test`` is ``IsNaN(p)`` (SDPA exports; such a row is NaN after a -inf
+    mask).  ``row-max``: ``test`` compares a row maximum (``Equal(ReduceMax(bias), -inf)`` in
+    ONNX's Attention function, ``Less(ReduceMax(scores), c)`` as attention-cleanup writes it).
+    """
+
+    test: gs.Node
     where: gs.Node
+    kind: str
 
 
 @dataclass
@@ -71,7 +84,7 @@ class ScoreRegion:
     pv: gs.Node
     softmax: gs.Node
     nodes: list[gs.Node]
-    guard: NaNGuard | None = None
+    guard: RowGuard | None = None
 
     def tensors(self) -> set[int]:
         return {id(t) for n in self.nodes for t in n.outputs} | {id(self.qk.outputs[0])}
@@ -128,7 +141,7 @@ def find_score_region(graph: gs.Graph, softmax: gs.Node) -> ScoreRegion | str:
                     return "scores feed two P·V MatMuls"
                 pv = node
                 continue
-            if node.op not in ELEMENTWISE and node is not softmax:
+            if node.op not in ELEMENTWISE and node is not softmax and not is_row_reduction(node):
                 return f"score tensor '{tensor.name}' is read by {node.op} '{node.name}' (not elementwise)"
             if id(node) not in seen:
                 seen.add(id(node))
@@ -141,15 +154,45 @@ def find_score_region(graph: gs.Graph, softmax: gs.Node) -> ScoreRegion | str:
     return ScoreRegion(qk=qk, pv=pv, softmax=softmax, nodes=nodes, guard=find_guard(softmax))
 
 
-def find_guard(softmax: gs.Node) -> NaNGuard | None:
+def is_row_reduction(node: gs.Node) -> bool:
+    """A Reduce{Max,Mean,Sum} over the last axis alone that keeps it (a row op, as Softmax is)."""
+    if node.op not in ROW_REDUCTIONS or not int(node.attrs.get("keepdims", 1)):
+        return False
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1:
+        axes = constant_value(node.inputs[1])
+    if axes is None or np.asarray(axes).size != 1:
+        return False
+    rank = len(shape_of(node.inputs[0]) or ()) or None
+    return last_axis(int(np.asarray(axes).ravel()[0]), rank)
+
+
+def _is_zero(tensor: gs.Tensor) -> bool:
+    """A scalar 0, also through the ``CastLike(0, p)`` ONNX's functions write."""
+    node = producer(tensor)
+    if constant_value(tensor) is None and node is not None and node.op in ("Cast", "CastLike"):
+        tensor = node.inputs[0]
+    return is_scalar_const(tensor) and float(constant_value(tensor).ravel()[0]) == 0.0
+
+
+def _row_max_test(node: gs.Node | None) -> bool:
+    return (node is not None and node.op in ("Equal", "Less", "LessOrEqual")
+            and any(producer(t) is not None and producer(t).op == "ReduceMax" for t in node.inputs))
+
+
+def find_guard(softmax: gs.Node) -> RowGuard | None:
+    """The row guard after ``softmax`` (its output, or a Cast of it), or None."""
     probs = softmax.outputs[0]
-    for isnan in _consumers(probs):
-        if isnan.op != "IsNaN":
-            continue
-        for where in _consumers(isnan.outputs[0]):
-            if (where.op == "Where" and where.inputs[0] is isnan.outputs[0] and where.inputs[2] is probs
-                    and is_scalar_const(where.inputs[1]) and float(constant_value(where.inputs[1]).ravel()[0]) == 0.0):
-                return NaNGuard(isnan=isnan, where=where)
+    outputs = [probs] + [n.outputs[0] for n in _consumers(probs) if n.op in ("Cast", "Identity")]
+    for out in outputs:
+        for where in _consumers(out):
+            if where.op != "Where" or where.inputs[2] is not out or not _is_zero(where.inputs[1]):
+                continue
+            test = producer(where.inputs[0])
+            if test is not None and test.op == "IsNaN" and any(test.inputs[0] is o for o in outputs):
+                return RowGuard(test=test, where=where, kind=NAN_GUARD)
+            if _row_max_test(test):
+                return RowGuard(test=test, where=where, kind=ROW_MAX_GUARD)
     return None
 
 

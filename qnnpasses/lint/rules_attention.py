@@ -14,7 +14,7 @@ import numpy as np
 
 from qnnpasses.lint.context import LintContext
 from qnnpasses.lint.registry import ONNX_OPS_DOCS, Finding, Rule, rule
-from qnnpasses.ir.attention import find_guard
+from qnnpasses.ir.attention import NAN_GUARD, find_guard
 from qnnpasses.passmanager.rewrite import constant_value
 
 CLEANUP = "attention-cleanup"
@@ -45,19 +45,20 @@ def nan_guard(ctx: LintContext, r: Rule) -> Iterator[Finding]:
     """SDPA exports guard the Softmax against fully masked rows with ``Where(IsNaN(p), 0, p)``:
     two extra ops over every attention score (B*H*S*S elements) per layer, and an IsNaN whose
     answer in fp16 differs from fp32.  ``attention-cleanup`` removes guards it proves dead (no
-    query row fully masked: a causal mask, or scores bounded below); a guard behind a padding
-    mask built from an input stays unless ``assume_unmasked_rows=true``."""
+    query row fully masked: a causal mask, or scores bounded below).  A guard behind a padding
+    mask built from an input becomes a test of the row's largest score against the finite mask
+    (exact for fully masked rows, no IsNaN) unless ``assume_unmasked_rows=true`` removes it."""
     rw = ctx.rewrite(CLEANUP)
     for node in ctx.graph.nodes:
         guard = find_guard(node) if node.op == "Softmax" else None
-        if guard is None:
+        if guard is None or guard.kind != NAN_GUARD:
             continue
-        proven = guard.isnan.name in rw.removed or guard.where.name in rw.removed
+        proven = guard.where.name in rw.removed  # a guard kept for fully masked rows loses only its IsNaN
         if proven:
             message, fix = f"NaN guard after Softmax '{node.name}' is provably dead", CLEANUP
         else:
             message = (f"NaN guard after Softmax '{node.name}': a padding mask from an input may mask whole rows, so "
-                       "it cannot be proven dead")
+                       "it cannot be proven dead (attention-cleanup tests the row maximum instead)")
             fix = f"{CLEANUP}{{assume_unmasked_rows=true}} (if every query row sees at least one key)"
         yield r.finding(guard.where.name, "Where", message, fix=fix, softmax=node.name)
 

@@ -90,9 +90,12 @@ CASE_RANDOM = "random"             # seeded random values, masks of ones
 CASE_PADDED_RIGHT = "padded-right"  # mask inputs with zeros at the end (padding keys/queries)
 CASE_PADDED_LEFT = "padded-left"    # zeros at the start: causal models get fully masked query rows
 CASE_MASKED = "masked"              # scattered zeros in masks, the first position kept
+CASE_ROW_MASKED = "row-masked"      # query x key masks with their first query row all masked
+CASE_CAUSAL = "causal"              # query x key masks lower-triangular (aligned at the last key)
 CASE_EXTREME = "extreme"            # large-magnitude float inputs, the largest valid token ids
 CASE_GIVEN = "given"                # --inputs / --calib samples
-ALL_CASES = frozenset({CASE_RANDOM, CASE_PADDED_RIGHT, CASE_PADDED_LEFT, CASE_MASKED, CASE_EXTREME, CASE_GIVEN})
+ALL_CASES = frozenset({CASE_RANDOM, CASE_PADDED_RIGHT, CASE_PADDED_LEFT, CASE_MASKED, CASE_ROW_MASKED, CASE_CAUSAL,
+                       CASE_EXTREME, CASE_GIVEN})
 
 # An approximation whose stated tolerance is within these bounds runs by default;
 # a looser one needs allow_lossy (--allow-lossy).

@@ -12,6 +12,7 @@ Example: ``fix-shapes{batch=1,seq=128},simplify,repeat{max=3}(layout,simplify)``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Union
@@ -47,6 +48,22 @@ class Pipeline:
 
     def to_text(self) -> str:
         return format_items(self.items)
+
+    def with_options(self, name: str, **options) -> "Pipeline":
+        """A copy in which every ``name`` pass runs with ``options`` on top of its own."""
+        return Pipeline(_with_options(self.items, name, options))
+
+
+def _with_options(items: list[Item], name: str, options: dict) -> list[Item]:
+    out: list[Item] = []
+    for item in items:
+        if isinstance(item, Repeat):
+            out.append(Repeat(_with_options(item.items, name, options), item.max_iterations))
+        elif item.name == name:
+            out.append(type(item)(dataclasses.replace(item.options, **options)))
+        else:
+            out.append(item)
+    return out
 
 
 def _flatten(items: list[Item]):
