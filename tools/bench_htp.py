@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="fixture names (default: every fixture in the manifest)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--update", action="store_true",
+                        help="measure only --variants/--only, keep the other rows of docs/bench_htp.json, "
+                             "rewrite it and docs/bench_htp.md")
     args = parser.parse_args(argv)
     from qnnpasses.backends.htp import htp_available
 
@@ -196,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{fixture:<24} {variant:<20} ok={row.ok} parts={row.partitions} cpu={row.cpu_nodes} "
                       f"ops={row.qnn_ops} move={row.data_movement} cos={row.cosine} {row.error[:60]}",
                       file=sys.stderr, flush=True)
+    if args.update:  # the measured rows replace theirs; the order is the document's
+        docs = ROOT / "docs"
+        fresh = {(r.fixture, r.variant): r for r in rows}
+        rows = [fresh.pop((old["fixture"], old["variant"]), None) or Row(**old)
+                for old in json.loads((docs / "bench_htp.json").read_text())] + list(fresh.values())
+        args.json = docs / "bench_htp.json"
+        (docs / "bench_htp.md").write_text(f"{markdown(rows)}\n\n{op_ratio_summary(rows)}\n")
     print(markdown(rows))
     print()
     print(op_ratio_summary(rows))
