@@ -590,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per (case, target)")
     parser.add_argument("--json", type=Path, default=Path("op_corpus.json"), help="per-case details")
+    parser.add_argument("--doc", type=Path, default=None, metavar="MD",
+                        help="also write the report as Markdown (docs/op_corpus.md on a full run)")
     args = parser.parse_args(argv)
     names = generate(args.cache)
     if args.cases:
@@ -602,10 +604,32 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps({"cases": len(names), "targets": targets, "seconds": time.perf_counter() - start,
                                      "summary": {k: v for k, v in summary.items() if k != "failures"},
                                      "results": results}, indent=1, default=str))
-    print(f"{len(names)} cases x {len(targets)} targets in {time.perf_counter() - start:.0f} s "
-          f"(onnx {onnx.__version__}); details in {args.json}")
+    headline = f"{len(names)} cases x {len(targets)} targets in {time.perf_counter() - start:.0f} s (onnx {onnx.__version__})"
+    print(f"{headline}; details in {args.json}")
     print(render(summary, cache_dir(args.cache)))
+    if args.doc:
+        args.doc.write_text(markdown(headline, summary, results))
     return 1 if summary["failures"] else 0
+
+
+INTRO = ("Every backend node test the onnx package generates (`python tools/op_corpus.py --doc docs/op_corpus.md`), "
+         "run through each registered pass alone, a plain load+save, and the `htp-llm` pipeline, with verification "
+         "on onnxruntime CPU. Columns: unchanged; rewritten and equal; rewritten, checker only (onnxruntime cannot "
+         "run the original); refused with a one-line reason (graphs onnx itself rejects, sequence/optional graph "
+         "I/O); rolled back because the pass raised / broke the check / changed outputs; lossy; changed without "
+         "saying so; crashed; mismatched; timed out.")
+
+
+def markdown(headline: str, summary: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """The report as docs/op_corpus.md has it: the table, then every verification rollback."""
+    lines = ["# ONNX operator corpus", "", INTRO, "", headline, render(summary, Path("~/.cache/qnnpasses/op_corpus"))]
+    rollbacks = sorted((r["target"], r["case"], r["reason"]) for r in results
+                       if r["outcome"] == "rolled-back" and r.get("rollback") == "verify")
+    if rollbacks:
+        lines += ["", f"The {len(rollbacks)} verification rollbacks (a pass changed outputs beyond its contract; "
+                  "the manager kept the graph before it):", ""]
+        lines += [f"- {target} on `{case}`: {reason[:200]}" for target, case, reason in rollbacks]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

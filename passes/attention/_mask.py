@@ -28,6 +28,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.read import numpy_dtype
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import constant_value, make_constant, producer
 
@@ -80,7 +81,7 @@ def bounds(tensor: gs.Tensor, depth: int = 0) -> tuple[float, float]:
 
 
 def _input_bounds(tensor: gs.Tensor) -> tuple[float, float]:
-    dtype = np.dtype(tensor.dtype) if tensor.dtype is not None else np.dtype(np.float32)
+    dtype = numpy_dtype(tensor) or np.dtype(np.float32)  # bfloat16: a float, unbounded
     if dtype == np.bool_:
         return (0.0, 1.0)
     if np.issubdtype(dtype, np.integer):

@@ -49,6 +49,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.read import numpy_dtype
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
 from qnnpasses.passmanager.rewrite import (
     constant_value,
@@ -118,7 +119,7 @@ class LogitsOffset(Pass):
         for output in list(graph.outputs):
             if self.options.output and output.name != self.options.output:
                 continue
-            if output.dtype is None or np.dtype(output.dtype) != FLOAT32:
+            if numpy_dtype(output) is None or numpy_dtype(output) != FLOAT32:
                 if self.options.output == output.name:
                     notes.append(f"{output.name} kept: not float32")
                 continue

@@ -28,6 +28,7 @@ import numpy as np
 from qnnpasses.passes.norm._graph import EXP_FLOOR, binary, floored_exp, rank
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.read import numpy_dtype
 from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
 from qnnpasses.passmanager.rewrite import finish, make_reduce, replace_all_uses
 
@@ -40,7 +41,8 @@ SINGLE_AXIS_OPSET = 13
 def softmax_axis(node, opset: int) -> tuple[int | None, str]:
     """The non-negative axis ``node`` (a Softmax) normalizes, or None with the reason."""
     x = node.inputs[0]
-    if x.dtype is None or np.dtype(x.dtype) not in FLOATS:
+    dtype = numpy_dtype(x)  # (None == np.dtype('float64') in numpy: test None first)
+    if dtype is None or dtype not in FLOATS:
         return None, "not a float tensor"
     r = rank(x)
     if r is None or r == 0:

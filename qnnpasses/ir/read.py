@@ -114,6 +114,18 @@ def last_axis(axis: int, rank: int | None) -> bool:
     return axis in (-1, rank - 1)
 
 
+def numpy_dtype(tensor: gs.Tensor | None) -> np.dtype | None:
+    """The tensor's element type as numpy's, or None: unknown, or an ONNX type numpy lacks
+    (bfloat16, float8 stay ONNX enum values in the graph)."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None or isinstance(dtype, int):
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
 def static_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
     """The tensor's shape when every dimension is a known non-negative integer."""
     shape = None if tensor is None else tensor.shape
