@@ -177,6 +177,9 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         if policy.outliers:
             rewritten, records = rewrite_pair(floats, policy.outliers, real, Path(tmp) / "outliers")
         models = {name: load_model(path) for name, path in rewritten.items()}
+        for ir in models.values():  # the tensors a new K/V output is moved from carry its encoding too
+            for new, past in list(ties.items()):
+                ties.update({moved: past for moved in moved_into(ir, new)})
         private = {name: own_activation_names(ir, name) for name, ir in models.items() if name != "prefill"}
         policy = pair_policy(options.precision, models["prefill"], manifest["graphs"]["prefill"]["roles"]["logits"])
         raised = {n.name: constant_value(n.inputs[1]) for n in models["prefill"].graph.nodes if n.name in policy.raised}
@@ -265,6 +268,16 @@ def _logits_matmul(ir: IRModel, logits: str) -> str | None:
 _MOVES = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten")
 
 
+def moved_into(ir: IRModel, output: str) -> list[str]:
+    """The tensors graph output ``output`` is computed from by data-movement ops alone (nearest
+    first): the quantizer gives such an op's output its input's encoding, so they are one tensor."""
+    found, tensor = [], next((t for t in ir.graph.outputs if t.name == output), None)
+    while tensor is not None and tensor.inputs and tensor.inputs[0].op in _MOVES:
+        tensor = tensor.inputs[0].inputs[0]
+        found.append(tensor.name)
+    return found
+
+
 def own_activation_names(ir: IRModel, graph_name: str) -> int:
     """Rename the graph's internal activations (``X`` -> ``X__<graph_name>``); its inputs, outputs,
     the tensors joined to them by data-movement ops only, and constants keep their names.
@@ -283,10 +296,7 @@ def own_activation_names(ir: IRModel, graph_name: str) -> int:
     # the quantizer gives a data-movement op's output its input's encoding: what reaches a graph
     # output, or comes from a graph input, through such ops is the boundary's (tied) tensor too
     for out in ir.graph.outputs:
-        t = out
-        while t.inputs and t.inputs[0].op in _MOVES:
-            t = t.inputs[0].inputs[0]
-            boundary.add(t.name)
+        boundary.update(moved_into(ir, out.name))
     todo = list(ir.graph.inputs)
     while todo:
         for node in todo.pop().outputs:
