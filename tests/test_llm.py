@@ -17,6 +17,7 @@ import onnx
 import pytest
 from conftest import fixture_path, htp_backend_available, requires_htp
 
+from qnnpasses.ir.load import load_model
 from qnnpasses.llm.cache_dtype import ROUNDING
 from qnnpasses.llm.manifest import load_manifest, part_paths
 from qnnpasses.llm.verify import PartsRunner, compare_sequence, static_feed
@@ -59,6 +60,16 @@ def test_static_pair_matches_the_original_export_on_cpu(name, built):
     assert result["logits"] <= 1e-4 and result["kv"] <= 1e-4 + kv_rounding * result["kv_scale"], result
     report = json.loads((manifest_dir(manifest) / "report.json").read_text())
     assert report["verification"]["ok"] and report["verification"]["logits"] <= 1e-4
+
+
+def test_report_gives_the_builds_memory(built):
+    """Peak private memory is sampled while the build runs; resident peaks come from the kernel."""
+    manifest = built("llama_gqa_kv_dyn_ts")
+    memory = json.loads((manifest_dir(manifest) / "report.json").read_text())["memory"]
+    assert 0 < memory["private_peak_bytes"] <= memory["resident_peak_bytes"]
+    assert memory["export_weight_bytes"] == load_model(fixture_path("llama_gqa_kv_dyn_ts")).weight_bytes()
+    text = (manifest_dir(manifest) / "report.md").read_text()
+    assert "peak private memory" in text and "of export weights" in text
 
 
 def manifest_dir(manifest):

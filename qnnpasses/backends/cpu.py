@@ -290,6 +290,26 @@ def check_inputs(ir: IRModel, inputs: dict[str, np.ndarray]) -> None:
             raise BadInputError(f"input '{name}' has dtype {array.dtype}, the model wants {np.dtype(want)}")
 
 
+def cpu_session(path: str | os.PathLike, *, mapped: bool = False, optimize: bool = True, quiet: bool = False):
+    """An onnxruntime CPU session of the model file at ``path``.
+
+    ``mapped``: the weights stay in the memory-mapped external-data file instead of being copied
+    into packed buffers (onnxruntime's ``session.disable_prepacking``): the process holds about
+    the activations, not the weights, at the cost of slower MatMuls.  ``optimize=False`` runs
+    what the graph says; ``quiet`` keeps onnxruntime's log out of the terminal.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if quiet:
+        options.log_severity_level = 4
+    if mapped:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+
+
 def run_cpu(ir_or_path: IRModel | str | os.PathLike, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run on onnxruntime's CPU provider with all graph optimizations off (what the graph says)."""
     return run_cpu_many(ir_or_path, [inputs])[0]

@@ -50,6 +50,7 @@ from qnnpasses.llm.manifest import FORMAT, write_manifest
 from qnnpasses.llm.roles import export_roles, lower_contrib, pass_records, roles_dict
 from qnnpasses.llm.source import model_file
 from qnnpasses.llm.tokenizer import COMPANION_FILES, TOKENIZER_FILE, TokenizerError, check_tokenizer, copy_tokenizer, find_tokenizer_dir
+from qnnpasses.memory import PeakMemory
 from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
@@ -321,8 +322,10 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        manifest, report = _build_into(stage, model, source, roles, options, given, text_dir)
+        with PeakMemory() as peak:
+            manifest, report = _build_into(stage, model, source, roles, options, given, text_dir)
         report["seconds"] = round(time.monotonic() - start, 2)
+        report["memory"] = {**peak.figures(), "export_weight_bytes": source.weight_bytes()}
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         from qnnpasses.llm.report import report_markdown
 

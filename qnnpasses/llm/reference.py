@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from qnnpasses.backends.cpu import cpu_session
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
 from qnnpasses.llm.roles import export_roles, reference_roles, roles_dict
@@ -33,10 +34,8 @@ class ReferenceModel:
         self._roles = None  # found from the graph on first need (_structural_roles)
         if not os.path.isfile(self.path):
             raise BadInputError(f"{self.path}: no such file")
-        try:
-            options = ort.SessionOptions()
-            options.log_severity_level = 4  # a failing run is reported once, by our own message
-            self.session = ort.InferenceSession(self.path, options, providers=["CPUExecutionProvider"])
+        try:  # quiet: a failing run is reported once, by our own message; mapped: weights stay in the file
+            self.session = cpu_session(self.path, mapped=True, quiet=True)
             self._quiet = ort.RunOptions()
             self._quiet.log_severity_level = 4
         except Exception as exc:  # noqa: BLE001 - onnxruntime's own message, shortened to one line

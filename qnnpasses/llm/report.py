@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from qnnpasses.units import fmt_bytes
+
 _BYTES = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2}
 
 
@@ -115,9 +117,16 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
     if probe:
         lines.append(f"Weight-shared context: compile {'ok' if probe['compile'] else 'failed'}, run "
                      f"{'ok' if probe['run'] else 'failed'}" + (f" ({probe['error']})" if probe.get("error") else "") + ".")
+    memory = report.get("memory")
+    if memory:
+        lines.append(f"Built in {report.get('seconds', 0):.0f} s from {fmt_bytes(memory['export_weight_bytes'])} of "
+                     f"export weights: peak private memory {fmt_bytes(memory['private_peak_bytes'])}; peak resident "
+                     f"{fmt_bytes(memory['resident_peak_bytes'])}, largest child process "
+                     f"{fmt_bytes(memory['child_resident_peak_bytes'])} (resident counts mapped weight files).")
     if report.get("htp"):
         lines += ["", graphs_markdown(manifest, report["htp"])]
     return "\n".join(lines) + "\n"
+
 
 
 # --------------------------------------------------------------------------- docs/llm_graphs.md

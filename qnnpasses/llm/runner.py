@@ -91,9 +91,9 @@ def _htp_session(path: Path, *, fp16: bool, shared: bool, target: Any) -> Any:
 
 
 def _cpu_session(path: Path) -> Any:
-    import onnxruntime as ort
+    from qnnpasses.backends.cpu import cpu_session
 
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return cpu_session(path, mapped=True)  # the pair's weights stay in its files
 
 
 class _Graph:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from qnnpasses.backends.cpu import cpu_session
 from qnnpasses.llm.feed import call_feed, new_slots, store_new
 from qnnpasses.llm.kv_layout import CacheLayout
 from qnnpasses.llm.manifest import absolute_logits
@@ -36,7 +37,7 @@ class PartsRunner:
     """Run a graph's parts in order on onnxruntime CPU, each fed from everything computed so far."""
 
     def __init__(self, folder: str | Path, graph: dict[str, Any]):
-        self.sessions = [ort.InferenceSession(str(Path(folder) / part["onnx"])) for part in graph["parts"]]
+        self.sessions = [cpu_session(Path(folder) / part["onnx"], mapped=True) for part in graph["parts"]]
 
     def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         env = dict(feed)
@@ -97,7 +98,7 @@ def compare_sequence(folder: str | Path, manifest: dict[str, Any], original: str
     if len(prompt) + new_tokens > context:
         raise ValueError(f"{len(prompt)} + {new_tokens} tokens exceed the context of {context}")
     runners = {g: PartsRunner(folder, manifest["graphs"][g]) for g in ("prefill", "decode")}
-    reference = ort.InferenceSession(str(original))
+    reference = cpu_session(original, mapped=True)
     ref_outputs = [o.name for o in reference.get_outputs()]
     source = reference_roles([i.name for i in reference.get_inputs()], ref_outputs,
                              lambda: manifest["source_roles"], trust_names=not manifest["source_roles"].get("given"))

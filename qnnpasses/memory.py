@@ -1,0 +1,66 @@
+"""How much memory a long command holds: its peak private memory, sampled while it runs.
+
+The kernel keeps a process's peak resident set (``ru_maxrss``), but that counts the pages of
+files the process maps: onnxruntime sessions that leave the weights in their external-data
+file (:func:`qnnpasses.backends.cpu.cpu_session` with ``mapped=True``) touch every weight page
+on a run, and those pages are cache the system can drop and read again.  What the build
+itself allocates is its *private* (anonymous) memory, ``RssAnon`` in ``/proc/self/status``,
+of which Linux keeps no peak: :class:`PeakMemory` samples it on a thread.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+from pathlib import Path
+
+STATUS = Path("/proc/self/status")
+KIB = 1024  # ru_maxrss and /proc's figures are in KiB on Linux
+
+
+def private_bytes() -> int | None:
+    """This process's private (anonymous) resident bytes now, or None where /proc does not say."""
+    try:
+        for line in STATUS.read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * KIB
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """``with PeakMemory() as peak: ...``; then ``peak.figures()``."""
+
+    def __init__(self, interval: float = 0.1):
+        self.interval = interval
+        self.private_peak = private_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="qnnpasses-memory", daemon=True)
+
+    def __enter__(self) -> "PeakMemory":
+        if self.private_peak is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._note()
+
+    def _note(self) -> None:
+        now = private_bytes()
+        if now is not None:
+            self.private_peak = max(self.private_peak or 0, now)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._note()
+
+    def figures(self) -> dict[str, int | None]:
+        """Peak private bytes of this process (sampled), peak resident bytes of this process and of
+        its largest child (the kernel's, mapped files included)."""
+        return {"private_peak_bytes": self.private_peak,
+                "resident_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB,
+                "child_resident_peak_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * KIB}
