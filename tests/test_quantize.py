@@ -62,7 +62,8 @@ def test_plan_finds_sensitive_tensors_by_structure():
     assert sorted(by_category["softmax"]) == sorted(n.outputs[0].name for n in softmaxes)
     for softmax in softmaxes:  # Q·Kᵀ output through scale and mask to the softmax input
         assert softmax.inputs[0].name in by_category["attention"]
-    assert len(by_category["attention"]) == 3 * len(softmaxes)
+    # Q·Kᵀ, scaled, masked, and clamped for fully masked rows (attention-cleanup)
+    assert len(by_category["attention"]) == 4 * len(softmaxes)
     norms = [n for n in ir.graph.nodes if n.op == "RMSNormalization"]
     assert {n.outputs[0].name for n in norms} | {n.inputs[0].name for n in norms} <= set(by_category["norm"])
     head = next(n for n in ir.graph.nodes if n.op == "MatMul" and tuple(n.inputs[1].shape) == (64, 256))

@@ -59,7 +59,7 @@ WEIGHT_SCALES = ("minmax", "mse")
 #: input channels in decreasing order of their calibration energy, the paper's act-order).
 WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-act")
 _SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
-_SCORE_OPS = {"Add", "Mul", "Div", "Sub", "Where", "Reshape", "Transpose", "Cast"}
+_SCORE_OPS = {"Add", "Mul", "Div", "Sub", "Where", "Max", "Reshape", "Transpose", "Cast"}  # Max: a masked-row clamp
 _NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
 
 
