@@ -196,20 +196,20 @@ def replace_mask_constants(ir: IRModel, ctx: PassContext, softmaxes: list[gs.Nod
     """Every float constant in the softmax inputs' mask cones with elements at or below
     ``threshold`` (or -inf) gets those elements set to ``mask_value``.  Call ``finish``
     afterwards when any did."""
-    replaced: dict[int, gs.Tensor | None] = {}
+    replaced: dict[int, tuple[gs.Tensor, float] | None] = {}  # constant -> (its finite form, its lowest value)
     out = MaskRewrite()
     cones = [(softmax, mask_cone(softmax.inputs[0])) for softmax in softmaxes]  # before any changes:
     for softmax, cone in cones:                                                 # layers share masks
         for node, index, constant in cone:
             if id(constant) not in replaced:
-                replaced[id(constant)] = _finite(ir, ctx, constant, mask_value, threshold)
-                new = replaced[id(constant)]
-                out.values += 0 if new is None else int(np.count_nonzero(constant_value(constant) != new.values))
+                new, old = _finite(ir, ctx, constant, mask_value, threshold), constant_value(constant)
+                replaced[id(constant)] = None if new is None else (
+                    new, float(old[np.isneginf(old) | (old <= threshold)].min()))
+                out.values += 0 if new is None else int(np.count_nonzero(old != new.values))
             if replaced[id(constant)] is not None:
-                old = constant_value(constant)
-                low = float(old[np.isneginf(old) | (old <= threshold)].min())
+                new, low = replaced[id(constant)]
                 out.lowest[id(softmax)] = min(low, out.lowest.get(id(softmax), np.inf))
-                node.inputs[index] = replaced[id(constant)]
+                node.inputs[index] = new
     out.constants = sum(v is not None for v in replaced.values())
     return out
 

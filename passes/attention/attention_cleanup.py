@@ -103,6 +103,11 @@ class AttentionCleanup(Pass):
         if self.options.assume_unmasked_rows:
             self.contract = self.unmasked_contract
 
+    @property
+    def masked_below(self) -> float:
+        """A score at or below this is masked: the bound of the row test and of the clamp."""
+        return self.options.mask_value / 2
+
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         if not -65504 < self.options.mask_value or self.options.mask_value <= self.options.threshold:
             raise ValueError(f"mask_value must lie above -65504 (fp16) and above threshold ({self.options.threshold})")
@@ -111,8 +116,7 @@ class AttentionCleanup(Pass):
         # rows that may be NaN (all -inf), and rows that may be fully masked (finfo.min too)
         assume = self.options.assume_unmasked_rows
         nan_rows = {id(s) for s in softmaxes if not (assume or rows_keep(s.inputs[0]))}
-        masked = self.options.mask_value / 2  # at or below it a score is masked (the row test's bound)
-        open_rows = {id(s) for s in softmaxes if not (assume or rows_keep(s.inputs[0], masked))}
+        open_rows = {id(s) for s in softmaxes if not (assume or rows_keep(s.inputs[0], self.masked_below))}
         guards = {id(s): find_guard(s) for s in softmaxes}
         notes: list[str] = []
         removed = kept = 0
@@ -153,7 +157,7 @@ class AttentionCleanup(Pass):
         dtype = numpy_dtype(x)
         if dtype is None:  # bfloat16 scores: no row test written; verification judges the change
             return False
-        masked = make_constant(ir, ctx, f"{softmax.name}_masked_below", np.asarray(self.options.mask_value / 2, dtype))
+        masked = make_constant(ir, ctx, f"{softmax.name}_masked_below", np.asarray(self.masked_below, dtype))
         if guard is not None:  # the guard's 0, now for rows whose largest input is masked
             row_max = make_reduce(ir, ctx, "ReduceMax", x, [-1], f"{softmax.name}_row_max")
             dead = make_node(ir, ctx, "Less", [row_max, masked], name_hint=f"{softmax.name}_masked_row",

@@ -119,7 +119,8 @@ class LogitsOffset(Pass):
         for output in list(graph.outputs):
             if self.options.output and output.name != self.options.output:
                 continue
-            if numpy_dtype(output) is None or numpy_dtype(output) != FLOAT32:
+            dtype = numpy_dtype(output)
+            if dtype is None or dtype != FLOAT32:
                 if self.options.output == output.name:
                     notes.append(f"{output.name} kept: not float32")
                 continue

@@ -59,8 +59,6 @@ def _consumers(tensor: gs.Tensor) -> list[gs.Node]:
 # --------------------------------------------------------------------------- score region
 
 
-# Row reductions that may sit in the score region: over the last axis, keeping it.
-ROW_REDUCTIONS = frozenset({"ReduceMax", "ReduceMean", "ReduceSum"})
 NAN_GUARD, ROW_MAX_GUARD = "nan", "row-max"
 
 
@@ -141,7 +139,7 @@ def find_score_region(graph: gs.Graph, softmax: gs.Node) -> ScoreRegion | str:
                     return "scores feed two P·V MatMuls"
                 pv = node
                 continue
-            if node.op not in ELEMENTWISE and node is not softmax and not is_row_reduction(node):
+            if node.op not in ELEMENTWISE and node is not softmax and not is_row_max(node):
                 return f"score tensor '{tensor.name}' is read by {node.op} '{node.name}' (not elementwise)"
             if id(node) not in seen:
                 seen.add(id(node))
@@ -154,9 +152,10 @@ def find_score_region(graph: gs.Graph, softmax: gs.Node) -> ScoreRegion | str:
     return ScoreRegion(qk=qk, pv=pv, softmax=softmax, nodes=nodes, guard=find_guard(softmax))
 
 
-def is_row_reduction(node: gs.Node) -> bool:
-    """A Reduce{Max,Mean,Sum} over the last axis alone that keeps it (a row op, as Softmax is)."""
-    if node.op not in ROW_REDUCTIONS or not int(node.attrs.get("keepdims", 1)):
+def is_row_max(node: gs.Node) -> bool:
+    """A ReduceMax over the last axis alone that keeps it (a row op, as Softmax is): a row
+    guard's test of the scores."""
+    if node.op != "ReduceMax" or not int(node.attrs.get("keepdims", 1)):
         return False
     axes = node.attrs.get("axes")
     if axes is None and len(node.inputs) > 1:

@@ -34,7 +34,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.attention import find_score_region
-from qnnpasses.ir.read import DATA_FIRST_OPS
+from qnnpasses.ir.read import DATA_FIRST_OPS, numpy_dtype
 
 _FLOAT = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 
@@ -68,19 +68,13 @@ class Roles:
         return len(self.past_key)
 
 
-def _dtype(tensor: gs.Tensor) -> np.dtype | None:
-    try:
-        return np.dtype(tensor.dtype) if tensor.dtype is not None else None
-    except TypeError:
-        return None
-
-
 def _is_float(tensor: gs.Tensor) -> bool:
-    return _dtype(tensor) in _FLOAT
+    dtype = numpy_dtype(tensor)
+    return dtype is not None and dtype in _FLOAT
 
 
 def _is_int(tensor: gs.Tensor) -> bool:
-    dtype = _dtype(tensor)
+    dtype = numpy_dtype(tensor)
     return dtype is not None and dtype.kind in "iub"
 
 
