@@ -86,7 +86,36 @@ def test_kv_cache_default_context_is_the_models_key_length():
     kv = analyze(load_model(fixture_path("llama_gqa_kv_ts")))["kv_cache"]
     c = fixture_config("llama_gqa_kv_ts")
     assert kv["context"] == c["past"] + c["seq"]
-    assert all(b["kv_heads_source"].startswith("input past_key_values") for b in kv["blocks"])
+    assert all(b["kv_heads_source"].startswith("repeat_kv ") for b in kv["blocks"])  # found from the graph, not names
+
+
+# (layers, heads, kv_heads, head_dim) of tools/export_fixtures.py's KV-cache specs
+KV_EXPORTS = {name: (2, 4, 4 if name.startswith("gpt2") else 2, 16) for name in (
+    "llama_gqa_kv_ts", "llama_gqa_kv_dynamo", "llama_gqa_kv_dyn_ts", "llama_gqa_kv_dyn_dynamo",
+    "llama_gqa_kv_sdpa_dyn_ts", "llama_gqa_kv_sdpa_dyn_dynamo", "mistral_kv_dyn_ts", "mistral_kv_dyn_dynamo",
+    "gpt2_kv_dyn_ts", "gpt2_kv_dyn_dynamo")}
+
+
+def _renamed_inputs(name: str) -> onnx.ModelProto:
+    """The export with every graph input renamed to ``in_<i>``: nothing may depend on names."""
+    model = onnx.load(fixture_path(name))
+    renames = {t.name: f"in_{i}" for i, t in enumerate(model.graph.input)}
+    for tensor in model.graph.input:
+        tensor.name = renames[tensor.name]
+    for node in model.graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(KV_EXPORTS))
+def test_kv_cache_of_every_exporter_comes_from_the_graph_not_names(name):
+    layers, heads, kv_heads, head_dim = KV_EXPORTS[name]
+    kv = analyze(load_model(_renamed_inputs(name)), 128)["kv_cache"]
+    if "sdpa_dyn_ts" in name or name == "mistral_kv_dyn_ts":
+        heads = kv_heads  # TorchScript's grouped SDPA scores [B, kv_heads, G·S, D] queries: no query heads to see
+    assert (kv["layers"], kv["heads"], kv["kv_heads"], kv["head_dim"]) == (layers, heads, kv_heads, head_dim)
+    assert kv["past_inputs"] == 2 * layers and not any("but" in note for note in kv["notes"])
+    assert kv["bytes_fp16"] == 2 * layers * kv_heads * head_dim * 128 * 2
 
 
 def test_kv_cache_of_a_fused_onnx_attention_op():

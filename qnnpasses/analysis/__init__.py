@@ -51,7 +51,7 @@ def run_analysis(ir: IRModel, context: int | None = None, *, top: int = 10, ridg
         "nodes": len(view.nodes),
         "weights": analyze_weights(ir, node_layer),
         "activations": activations,
-        "kv_cache": analyze_kv_cache(view, context),
+        "kv_cache": analyze_kv_cache(view, ir.graph, context),
         "ops": cost.pop("ops"),
         "op_types": cost.pop("op_types"),
         "hotspots": cost.pop("hotspots"),

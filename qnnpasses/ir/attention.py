@@ -34,7 +34,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.layout_chain import chain_permutation, is_scalar_const, layout_step
-from qnnpasses.ir.read import constant_value, last_axis, producer, static_shape
+from qnnpasses.ir.read import constant_value, is_constant, last_axis, producer, static_shape
 
 # Ops that may sit between Q·Kᵀ and P·V without mixing rows or columns of the scores.
 ELEMENTWISE = frozenset({
@@ -94,7 +94,7 @@ class ScoreRegion:
 
 
 def _is_qk_matmul(node: gs.Node | None) -> bool:
-    return node is not None and node.op == "MatMul" and all(constant_value(t) is None for t in node.inputs)
+    return node is not None and node.op == "MatMul" and not any(is_constant(t) for t in node.inputs)
 
 
 def find_qk(softmax: gs.Node) -> gs.Node | str:
@@ -110,7 +110,7 @@ def find_qk(softmax: gs.Node) -> gs.Node | str:
             if _is_qk_matmul(node):
                 found.append(node)
             elif node.op in ELEMENTWISE:
-                nxt.extend(t for t in node.inputs if constant_value(t) is None)
+                nxt.extend(t for t in node.inputs if not is_constant(t))
         frontier = nxt
     unique = {id(n): n for n in found}
     if len(unique) != 1:
@@ -169,7 +169,7 @@ def is_row_max(node: gs.Node) -> bool:
 def _is_zero(tensor: gs.Tensor) -> bool:
     """A scalar 0, also through the ``CastLike(0, p)`` ONNX's functions write."""
     node = producer(tensor)
-    if constant_value(tensor) is None and node is not None and node.op in ("Cast", "CastLike"):
+    if not is_constant(tensor) and node is not None and node.op in ("Cast", "CastLike"):
         tensor = node.inputs[0]
     return is_scalar_const(tensor) and float(constant_value(tensor).ravel()[0]) == 0.0
 
@@ -356,3 +356,4 @@ def find_attentions(graph: gs.Graph, reasons: list[str] | None = None) -> list[A
         else:
             found.append(att)
     return found
+

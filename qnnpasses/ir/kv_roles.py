@@ -90,7 +90,8 @@ def _through_identities(tensor: gs.Tensor) -> list[gs.Node]:
     return found
 
 
-def _cache_entries(graph: gs.Graph) -> list[CacheEntry]:
+def cache_entries(graph: gs.Graph) -> list[CacheEntry]:
+    """Past inputs that a Concat joins with a computed tensor into a graph output (a dynamic cache)."""
     outputs = {id(t) for t in graph.outputs}
     entries = []
     for tensor in graph.inputs:
@@ -106,6 +107,28 @@ def _cache_entries(graph: gs.Graph) -> list[CacheEntry]:
 
 
 _WALK_LIMIT = 24
+
+
+def cache_inputs(graph: gs.Graph) -> list[gs.Tensor]:
+    """Float rank-4 graph inputs that reach an attention product (a MatMul of two activations)
+    within :data:`_WALK_LIMIT` ops, none of them a MatMul or Gemm: the KV cache of a dynamic
+    export (through its Concat) and of a static pair (through casts, transposes, head repeats)."""
+    found = []
+    for tensor in graph.inputs:
+        if not (_is_float(tensor) and tensor.shape is not None and len(tensor.shape) == 4):
+            continue
+        seen, queue = set(), deque([(tensor, 0)])
+        while queue:
+            current, depth = queue.popleft()
+            if id(current) in seen or depth > _WALK_LIMIT:
+                continue
+            seen.add(id(current))
+            nodes = current.outputs
+            if any(n.op == "MatMul" and not any(isinstance(t, gs.Constant) for t in n.inputs) for n in nodes):
+                found.append(tensor)
+                break
+            queue.extend((t, depth + 1) for n in nodes if n.op not in ("MatMul", "Gemm") for t in n.outputs)
+    return found
 
 
 def _cache_reached(tensor: gs.Tensor, presents: dict[int, CacheEntry]) -> list[CacheEntry]:
@@ -153,7 +176,7 @@ def _classify(graph: gs.Graph, entries: list[CacheEntry]) -> list[str]:
 def find_roles(graph: gs.Graph, given: dict[str, str] | None = None) -> Roles:
     """The roles of ``graph``'s inputs and outputs; BadInputError when it has no KV cache, when a
     role is ambiguous, or when structure and names disagree (``given``: roles named by the user)."""
-    entries = _cache_entries(graph)
+    entries = cache_entries(graph)
     if not entries:
         raise BadInputError("no KV cache: no float rank-4 input is concatenated into a graph output")
     reasons = _classify(graph, entries)

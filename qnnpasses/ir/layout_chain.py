@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.read import constant_value
+from qnnpasses.ir.read import constant_value, static_shape
 
 MAX_SIMULATED = 1 << 26  # elements of the index tensor used to verify a layout chain
 
@@ -27,9 +27,12 @@ def layout_step(node: gs.Node) -> tuple | None:
     """A node as a simulation step, or None when it is not a pure layout/scalar op."""
     if node.op == "Transpose":
         return ("transpose", node.attrs.get("perm"))
-    if node.op == "Reshape":
+    if node.op == "Reshape":  # the target as written, else (shape arithmetic) the output's static shape
         shape = constant_value(node.inputs[1])
-        return None if shape is None else ("reshape", [int(d) for d in shape], int(node.attrs.get("allowzero", 0)))
+        if shape is None:
+            shape = static_shape(node.outputs[0])
+            return None if shape is None else ("reshape", list(shape), 1)
+        return ("reshape", [int(d) for d in shape], int(node.attrs.get("allowzero", 0)))
     if node.op in ("Unsqueeze", "Squeeze"):
         axes = node.attrs.get("axes")
         if axes is None and len(node.inputs) > 1:
