@@ -59,14 +59,14 @@ from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 STATIC_CACHE_PIPELINE = "fix-shapes,expose-positions,simplify,window-positions,kv-new-outputs,kv-split-concat"
 
 
-def static_cache_pipeline(context: int, positions: str | None = None) -> str:
+def static_cache_pipeline(context: int, positions: str | None = None) -> Pipeline:
     """:data:`STATIC_CACHE_PIPELINE`, then ``rotary-table`` for positions below ``context``: a cache
     of ``context`` slots never sees a larger position, and a table keeps the rotary angles exact in fp16.
     ``positions``: the export's own position input, when it has one under another name."""
-    static = STATIC_CACHE_PIPELINE
+    static = parse_pipeline(STATIC_CACHE_PIPELINE)
     if positions and positions != "position_ids":
-        static = static.replace("window-positions", f"window-positions{{positions={positions}}}")
-    return f"{static},rotary-table{{positions={context}}}"
+        static = static.with_options("window-positions", positions=positions)
+    return static + Pipeline([get_pass("rotary-table")(positions=context)])
 
 
 #: After htp-llm, for fp16 pairs only: formulations the HTP computes closer to fp32 in fp16 mode
@@ -192,10 +192,30 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     weights can only be quantized per tensor on the HTP (:mod:`qnnpasses.quant.policy`)."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
-    static = static_cache_pipeline(tokens + past, roles.position_ids)
-    stage = PassManager(parse_pipeline(static), RunConfig(verify=False, strict=True, allow_lossy=True))
-    stage.context.shapes = _shapes(roles, tokens, past)
-    first = stage.run(ir)
+    pipeline = build_pipeline(roles, tokens + past, quantized, logits_offset)
+    # one manager for every stage; the build's own check against the export (check_static) verifies
+    # the result, so no pass is verified on its own
+    manager = PassManager(pipeline, RunConfig(verify=False, strict=True))
+    manager.context.shapes = _shapes(roles, tokens, past)
+    records = pass_records(manager.run(ir))
+    cache_dtype = "float32"
+    if not quantized:
+        from qnnpasses.llm.cache_dtype import store_cache_in_fp16
+        from qnnpasses.passes.kvcache.kv_new_outputs import new_output_name
+
+        new = [new_output_name(n, "present", "new") for n in roles.present_key + roles.present_value]
+        if cache_fp16 and store_cache_in_fp16(ir, roles.past_key + roles.past_value, new):
+            cache_dtype = "float16"
+    # what ran, in textual form (quantization then knows htp-llm was applied)
+    prefix = f"{lowerings}," if lowerings else ""
+    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{pipeline.to_text()}"
+    return ir, {"passes": (lowered if lowerings else []) + records, "cache_dtype": cache_dtype}
+
+
+def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = True) -> Pipeline:
+    """Every pass a graph of the pair runs after the contrib lowerings: the static cache
+    (:func:`static_cache_pipeline`), ``htp-llm`` (as ``qnnpasses quantize`` runs it when
+    ``quantized``), and for fp16 :func:`fp16_passes`."""
     if quantized:
         from qnnpasses.quant.driver import resolve_pipeline
 
@@ -205,25 +225,9 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     # A fully masked query row in the pair is a padding position (every real token sees itself):
     # no output reads it, so its value need not be the original's (no row tests, no NaN guards).
     htp_llm = htp_llm.with_options("attention-cleanup", assume_unmasked_rows=True)
-    second = PassManager(htp_llm, RunConfig(verify=False, strict=True)).run(ir)
-    records = pass_records(first) + pass_records(second)
-    spec = htp_llm.to_text()
-    cache_dtype = "float32"
-    if not quantized:  # the fp16 graph's precision passes (a quantized graph runs in integer mode)
-        fp16 = fp16_passes(roles.logits, logits_offset)
-        third = PassManager(fp16, RunConfig(verify=False, strict=True)).run(ir)
-        records += pass_records(third)
-        spec = f"{spec},{fp16.to_text()}"
-        from qnnpasses.llm.cache_dtype import store_cache_in_fp16
-        from qnnpasses.passes.kvcache.kv_new_outputs import new_output_name
-
-        new = [new_output_name(n, "present", "new") for n in roles.present_key + roles.present_value]
-        if cache_fp16 and store_cache_in_fp16(ir, roles.past_key + roles.past_value, new):
-            cache_dtype = "float16"
-    # what ran, in textual form (quantization then knows htp-llm was applied)
-    prefix = f"{lowerings}," if lowerings else ""
-    ir.metadata_props["qnnpasses.passmanager.spec"] = f"{prefix}{static},{spec}"
-    return ir, {"passes": (lowered if lowerings else []) + records, "cache_dtype": cache_dtype}
+    pipeline = static_cache_pipeline(context, roles.position_ids) + htp_llm
+    # a quantized graph runs in integer mode: the fp16 formulations are for fp16 pairs only
+    return pipeline if quantized else pipeline + fp16_passes(roles.logits, logits_offset)
 
 
 def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:

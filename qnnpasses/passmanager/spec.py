@@ -53,6 +53,10 @@ class Pipeline:
         """A copy in which every ``name`` pass runs with ``options`` on top of its own."""
         return Pipeline(_with_options(self.items, name, options))
 
+    def __add__(self, other: "Pipeline") -> "Pipeline":
+        """This pipeline, then ``other``."""
+        return Pipeline(list(self.items) + list(other.items))
+
 
 def _with_options(items: list[Item], name: str, options: dict) -> list[Item]:
     out: list[Item] = []
