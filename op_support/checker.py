@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from qnnpasses.ir.gelu import GeluMatch, match_gelu
+from qnnpasses.ir.read import is_constant
+
 from .table import load_table, lookup
 
 if TYPE_CHECKING:
@@ -94,19 +97,12 @@ def _dtype_name(dtype: Any) -> str | None:
         return str(dtype)
 
 
-def _is_constant(tensor: gs.Tensor) -> bool:
-    if isinstance(tensor, gs.Constant):
-        return True
-    producers = getattr(tensor, "inputs", [])
-    return bool(producers) and producers[0].op == "Constant"
-
-
 def _tensor(tensor: gs.Tensor | None) -> _Tensor | None:
     """None for an omitted optional input (empty name)."""
     if tensor is None or (isinstance(tensor, gs.Variable) and not tensor.name):
         return None
     shape = tensor.shape
-    return _Tensor(_dtype_name(tensor.dtype), list(shape) if shape is not None else None, _is_constant(tensor))
+    return _Tensor(_dtype_name(tensor.dtype), list(shape) if shape is not None else None, is_constant(tensor))
 
 
 @dataclass
@@ -325,7 +321,7 @@ def _einsum_matmul(view: _NodeView, rule: Rule) -> str | None:
 def _not_graph_input(view: _NodeView, rule: Rule) -> str | None:
     """Input 0 comes from another node (or is constant), not straight from a graph input."""
     t = view.node.inputs[0] if view.node.inputs else None
-    if t is None or _is_constant(t) or getattr(t, "inputs", None):
+    if t is None or is_constant(t) or getattr(t, "inputs", None):
         return None
     return rule.get("reason") or "input 0 is a graph input"
 
@@ -522,13 +518,15 @@ def _single_consumer(tensor: gs.Tensor, op: str) -> gs.Node | None:
 
 
 def _is_erf_gelu(node: gs.Node) -> bool:
-    """``x / sqrt(2)`` (or ``x * 1/sqrt(2)``) -> Erf -> Add 1 -> Mul x -> Mul 0.5, in either Mul order."""
+    """The spelling the EP fuses, ``x / sqrt(2)`` (or ``x * 1/sqrt(2)``) -> Erf -> Add 1 -> Mul x ->
+    Mul 0.5 in either Mul order, that also computes a GeLU (:func:`qnnpasses.ir.gelu.match_gelu`,
+    the recognizer ``fuse-gelu`` and ``lint`` use: the constants are checked, not only the shape)."""
     producer = node.inputs[0].inputs[0] if node.inputs and node.inputs[0].inputs else None
     if producer is None or producer.op not in ("Div", "Mul"):
         return False
     add = _single_consumer(node.outputs[0], "Add")
     mul = add and _single_consumer(add.outputs[0], "Mul")
-    return bool(mul and _single_consumer(mul.outputs[0], "Mul"))
+    return bool(mul and _single_consumer(mul.outputs[0], "Mul")) and isinstance(match_gelu(node, None), GeluMatch)
 
 
 #: Patterns the EP fuses into one node unit, so that an op it rejects alone still runs on HTP.

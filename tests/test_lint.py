@@ -73,21 +73,43 @@ def test_unsupported_op_without_fixing_pass_names_the_manual_action():
     assert "Erf" in f.message and f.fix.startswith("manual:")
 
 
-def test_unsupported_erf_gelu_is_fixed_by_fuse_gelu_and_reported_as_decomposed():
-    body = """
-        c = Constant <value = float {1.4142135}> ()
-        one = Constant <value = float {1.0}> ()
-        half = Constant <value = float {0.5}> ()
+def _erf_gelu(divisor: str) -> str:
+    """The spelling of GeLU the EP fuses, ``0.5 * x * (1 + Erf(x / divisor))``."""
+    return f"""
+        c = Constant <value = float {{{divisor}}}> ()
+        one = Constant <value = float {{1.0}}> ()
+        half = Constant <value = float {{0.5}}> ()
         d = Div (x, c)
         e = Erf (d)
         a = Add (e, one)
         m = Mul (x, a)
         y = Mul (m, half)
     """
-    report = lint_model(parse(body, SIG_X))
+
+
+def test_unsupported_erf_gelu_is_fixed_by_fuse_gelu_and_reported_as_decomposed():
+    report = lint_model(parse(_erf_gelu("1.4142135"), SIG_X))
     [gelu] = by_rule(report, "QP013")
     assert gelu.fix == "fuse-gelu" and gelu.op_type == "Mul" and "5 nodes: Div, Erf, Add, Mul, Mul" in gelu.message
     assert not by_rule(report, "QP001")  # the EP fuses this Erf spelling itself (op-support table)
+
+
+def test_gelu_shape_with_wrong_constants_is_no_gelu_for_check_lint_or_the_pass():
+    """x/2 in place of x/sqrt(2): the EP's spelling, but not a GeLU.  check, lint and fuse-gelu share
+    one recognizer, so none of them calls it one: the Erf stays unsupported, nothing is fused."""
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.op_support import check_graph
+    from qnnpasses.passmanager.api import PassContext, get_pass
+
+    model = parse(_erf_gelu("2.0"), SIG_X)
+    report = lint_model(model)
+    assert not by_rule(report, "QP013")
+    [f] = by_rule(report, "QP001")
+    assert f.op_type == "Erf"
+    ir = load_model(model)
+    [erf] = [s for s in check_graph(ir.graph) if s.op_type == "Erf"]
+    assert erf.supported is False
+    assert not get_pass("fuse-gelu")().run(ir, PassContext()).changed
 
 
 def test_rank_limit_is_its_own_rule():

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from qnnpasses.ir.op_kinds import LAYOUT
 from qnnpasses.passes.fold._nops import (
     constants_second,
     prune_empty_concat_inputs,
@@ -45,7 +46,7 @@ NEVER_FOLD = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "If", "Loop", "Scan", "Constant",
 })
 # Ops that only move a weight's bytes around: they may fold whatever the size.
-LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+LAYOUT_OPS = LAYOUT
 
 
 @dataclass

@@ -22,6 +22,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.op_kinds import ELEMENTWISE, REDUCTIONS, RESHAPES
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
     constant_shape,
@@ -34,17 +35,8 @@ from qnnpasses.passmanager.rewrite import (
     swap,
 )
 
-ELEMENTWISE = frozenset({
-    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Where", "And", "Or", "Xor", "Not", "Equal", "Greater",
-    "Less", "GreaterOrEqual", "LessOrEqual", "Sigmoid", "Tanh", "Relu", "Neg", "Sqrt", "Reciprocal", "Exp", "Log",
-    "Abs", "Erf", "Gelu", "Softplus", "Softsign", "Cast", "Identity", "LeakyRelu", "Elu", "Selu", "Celu",
-    "HardSigmoid", "HardSwish", "Clip", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round", "Sin", "Cos", "Mish",
-    "PRelu", "ThresholdedRelu"})
 AXIS_ATTR = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "Concat", "Split"})
-REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceSumSquare",
-                    "ReduceProd", "ReduceLogSumExp"})
-RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
-ROW_OPS = ELEMENTWISE | AXIS_ATTR | REDUCE | {"MatMul", "Slice"}
+ROW_OPS = ELEMENTWISE | AXIS_ATTR | REDUCTIONS | {"MatMul", "Slice"}
 
 
 def _rowable(t: gs.Tensor) -> bool:
@@ -68,7 +60,7 @@ def _row_axes_ok(node: gs.Node, rank: int, opset: int) -> bool:
     """The node's axis arguments all name the last axis (so they stay valid in 2-D)."""
     if node.op in AXIS_ATTR:
         return _is_last(node.attrs.get("axis", _default_axis(node.op, opset)), rank)
-    if node.op in REDUCE:
+    if node.op in REDUCTIONS:
         axes = node.attrs.get("axes", input_value(node, 1))
         return node.attrs.get("keepdims", 1) == 1 and axes is not None and len(axes) == 1 and _is_last(axes[0], rank)
     if node.op == "Slice":
@@ -96,7 +88,7 @@ def _eligible(node: gs.Node, opset: int) -> bool:
         return _rowable(node.inputs[0]) and is_constant(node.inputs[1]) and _side_ok(node.inputs[1])
     if node.op == "Slice":
         return len(data) == 1 and _rowable(data[0]) and _row_axes_ok(node, rank, opset)
-    if node.op in REDUCE or node.op in AXIS_ATTR - {"Concat"}:
+    if node.op in REDUCTIONS or node.op in AXIS_ATTR - {"Concat"}:
         data = data[:1]
     return _row_axes_ok(node, rank, opset) and all(_rowable(t) or _side_ok(t) for t in data) \
         and all(_side_ok(t) for t in node.inputs if t.name and is_constant(t))
@@ -205,7 +197,7 @@ def _fix_node(ir: IRModel, ctx: PassContext, node: gs.Node) -> None:
     """Axis arguments relative to the last axis; constants with extra leading unit dims squeezed."""
     if node.op in AXIS_ATTR:
         node.attrs["axis"] = -1
-    if node.op in REDUCE:
+    if node.op in REDUCTIONS:
         if "axes" in node.attrs:
             node.attrs["axes"] = [-1]
         else:

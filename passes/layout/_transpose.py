@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from qnnpasses.passes.layout._rows import ELEMENTWISE, REDUCE
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.op_kinds import ELEMENTWISE, REDUCTIONS
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.rewrite import (
     constant_value,
@@ -34,7 +34,7 @@ from qnnpasses.passmanager.rewrite import (
     swap,
 )
 
-LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization"}) | REDUCE
+LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization"}) | REDUCTIONS
 MAX_PATH = 8
 
 
@@ -46,7 +46,7 @@ def _keeps_last(node: gs.Node, perm: list[int], opset: int) -> bool:
     rank = len(perm)
     if perm[-1] != rank - 1:
         return False
-    if node.op in REDUCE:
+    if node.op in REDUCTIONS:
         axes = node.attrs.get("axes", input_value(node, 1))
         keepdims = node.attrs.get("keepdims", 1) == 1
         return axes is not None and keepdims and [normalize_axis(int(a), rank) for a in axes] == [rank - 1]

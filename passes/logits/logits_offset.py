@@ -49,6 +49,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.op_kinds import VIEWS
 from qnnpasses.ir.read import numpy_dtype
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
 from qnnpasses.passmanager.rewrite import (
@@ -64,7 +65,7 @@ from qnnpasses.passmanager.rewrite import (
 
 FLOAT32 = np.dtype(np.float32)
 #: Ops between the MatMul and the output that move no value across the last axis.
-_SHAPE_ONLY = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+_SHAPE_ONLY = VIEWS
 
 
 def offset_name(output: str) -> str:

@@ -16,11 +16,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.op_kinds import LAYOUT
 from qnnpasses.passmanager.probe import intermediate_values
 from qnnpasses.passmanager.rewrite import constant_value, producer
 
 #: Ops that move values around without changing them.
-_TRANSPARENT = ("Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Flatten")
+_TRANSPARENT = LAYOUT | {"Cast"}
 
 
 def max_abs_values(ir: IRModel, names: Iterable[str], samples: list[dict[str, np.ndarray]]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """fuse-gelu: GeLU written with Erf or Tanh => one ``Gelu`` op.
 
-Matches, by what the subgraph computes (``_norm_signature``: any association/commutation,
-``Div(x, 1.4142)`` or ``Mul(x, 0.7071)``, ``Pow(x, 3)`` or ``x*x*x``, Casts):
+Matches what the GeLU recognizer (:mod:`qnnpasses.ir.gelu`, shared with ``check`` and ``lint``)
+finds by what the subgraph computes (any association/commutation, ``Div(x, 1.4142)`` or
+``Mul(x, 0.7071)``, ``Pow(x, 3)`` or ``x*x*x``, Casts):
 
 * ``0.5 * x * (1 + Erf(x / sqrt(2)))``                          => ``Gelu(x)``
 * ``0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))``   => ``Gelu(x, approximate="tanh")``
@@ -19,66 +20,17 @@ HTP; ``com.microsoft.FastGelu`` does not).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-import numpy as np
-import onnx_graphsurgeon as gs
 from qnnpasses.passes.norm._graph import Replacements
 from qnnpasses.passes.norm._opset import raise_opset
-from qnnpasses.passes.norm._signature import (
-    SAMPLES_T,
-    SAMPLES_X,
-    computes,
-    elementwise_function,
-    find_variable,
-)
 
+from qnnpasses.ir.gelu import FORMS, GeluMatch, match_gelu
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, FOLDED, GELU_FUSED, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import finish, make_node, single_consumer
+from qnnpasses.passmanager.rewrite import finish, make_node
 
 GELU_OPSET = 20
-_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Cast", "Identity")
-
-
-def _erf_arg(x):
-    return x / math.sqrt(2.0)
-
-
-def _tanh_arg(x):
-    return math.sqrt(2.0 / math.pi) * (x + 0.044715 * np.power(x, 3))
-
-
-def _outer(x, t):
-    return 0.5 * x * (1.0 + t)
-
-
-FORMS = {"Erf": ("none", _erf_arg), "Tanh": ("tanh", _tanh_arg)}
-
-
-@dataclass
-class GeluMatch:
-    x: gs.Tensor  # the GeLU's input
-    out: gs.Tensor  # the tensor the pattern computes: 0.5*x*(1+t)
-    approximate: str  # "none" (Erf) | "tanh"
-
-
-def match_gelu(node, graph) -> GeluMatch | str:
-    """The GeLU around an ``Erf``/``Tanh`` node, or why there is none."""
-    approximate, inner = FORMS[node.op]
-    x = find_variable(node.inputs[0], inner)
-    if x is None:
-        return f"{node.op} argument is not {'x/sqrt(2)' if node.op == 'Erf' else 'sqrt(2/pi)(x+0.044715x^3)'}"
-    t, tensor = node.outputs[0], node.outputs[0]
-    for _ in range(4):
-        consumer = single_consumer(tensor, graph)
-        if consumer is None or consumer.op not in _ELEMENTWISE:
-            break
-        tensor = consumer.outputs[0]
-        if computes(elementwise_function(tensor, [x, t]), _outer, [SAMPLES_X, SAMPLES_T]):
-            return GeluMatch(x, tensor, approximate)
-    return f"{node.op} output does not become 0.5*x*(1+{node.op.lower()}(...))"
 
 
 @register_pass

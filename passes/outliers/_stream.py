@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from qnnpasses.ir.op_kinds import RESHAPES
 from qnnpasses.passmanager.rewrite import constant_value, producer
 
 NORM_OPS = ("RMSNormalization",)
@@ -174,7 +175,7 @@ def _from_input(t: gs.Tensor, inputs: set[str], depth: int = 4) -> bool:
         if t.name in inputs:
             return True
         node = producer(t)
-        if node is None or node.op not in ("Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten"):
+        if node is None or node.op not in RESHAPES | {"Cast"}:
             return False
         t = node.inputs[0]
     return False

@@ -26,19 +26,17 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.analysis.graph import GraphView
 from qnnpasses.ir.model import const_nbytes
+from qnnpasses.ir.op_kinds import DATA_MOVEMENT
+from qnnpasses.ir.op_kinds import ELEMENTWISE as OP_ELEMENTWISE
+from qnnpasses.ir.op_kinds import REDUCTIONS as OP_REDUCTIONS
+from qnnpasses.ir.op_kinds import VIEWS as OP_VIEWS
 
 #: Default ridge point in FLOPs/byte.  Hexagon HTP (v73) peaks at tens of TOPS on tens of
 #: GB/s of LPDDR5x, i.e. a few hundred ops/byte at int8 and fewer at fp16; 100 is a
 #: deliberately conservative fp16 figure.  Pass --ridge for your target.
 DEFAULT_RIDGE = 100.0
 
-DATA_MOVEMENT = frozenset({
-    "Reshape", "Transpose", "Gather", "GatherND", "GatherElements", "Concat", "Slice", "Split", "Expand",
-    "Squeeze", "Unsqueeze", "Identity", "Flatten", "Shape", "Size", "Constant", "ConstantOfShape", "Tile",
-    "Pad", "ScatterND", "ScatterElements", "Range", "DepthToSpace", "SpaceToDepth", "Trilu", "NonZero",
-    "CastLike", "EyeLike", "Dropout", "Resize",
-})
-VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Dropout"})
+VIEWS = OP_VIEWS | {"Dropout"}  # Dropout is an identity at inference
 READS_WHAT_IT_WRITES = frozenset({"Gather", "GatherND", "GatherElements", "Slice"})
 PER_ELEMENT = {
     "Softmax": 5, "LogSoftmax": 5, "LayerNormalization": 8, "RMSNormalization": 6,
@@ -46,17 +44,8 @@ PER_ELEMENT = {
     "GroupNormalization": 8, "InstanceNormalization": 8, "BatchNormalization": 2, "Gelu": 8, "FastGelu": 8,
     "BiasGelu": 9, "Erf": 4, "HardSwish": 3, "Swish": 3, "Mish": 5, "Softplus": 3,
 }
-REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2",
-                        "ReduceL1", "ReduceSumSquare", "ReduceLogSumExp", "ArgMax", "ArgMin"})
-
-
-ELEMENTWISE = frozenset({
-    "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Sin", "Cos", "Tanh",
-    "Sigmoid", "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "PRelu", "HardSigmoid", "Clip", "Max", "Min", "Mean",
-    "Sum", "Where", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not",
-    "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round", "Mod", "Cast", "Erf", "QuantizeLinear",
-    "DequantizeLinear", "BitShift", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh",
-})
+REDUCTIONS = OP_REDUCTIONS | {"ArgMax", "ArgMin"}
+ELEMENTWISE = OP_ELEMENTWISE | {"QuantizeLinear", "DequantizeLinear"}  # one op per element, like them
 
 
 def _shape_of(view: GraphView, tensor: gs.Tensor) -> tuple | None:

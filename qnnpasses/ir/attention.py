@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.layout_chain import chain_permutation, is_scalar_const, layout_step
-from qnnpasses.ir.read import constant_value, is_constant, last_axis, producer, static_shape
+from qnnpasses.ir.layout_chain import chain_permutation, layout_step
+from qnnpasses.ir.op_kinds import ELEMENTWISE
+from qnnpasses.ir.read import constant_value, is_constant, is_one_element, last_axis, producer, static_shape
 
-# Ops that may sit between Q·Kᵀ and P·V without mixing rows or columns of the scores.
-ELEMENTWISE = frozenset({
+# Ops that may sit between Q·Kᵀ and P·V without mixing rows or columns of the scores: the
+# elementwise ops exporters write there (scale, mask, casts, soft-capping, guards).
+SCORE_OPS = ELEMENTWISE & frozenset({
     "Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Tanh", "Cast", "Identity", "IsNaN", "IsInf",
     "Neg", "Clip", "Not", "And", "Or", "Equal", "Less", "Greater", "Sigmoid",
 })
@@ -109,7 +111,7 @@ def find_qk(softmax: gs.Node) -> gs.Node | str:
             seen.add(id(node))
             if _is_qk_matmul(node):
                 found.append(node)
-            elif node.op in ELEMENTWISE:
+            elif node.op in SCORE_OPS:
                 nxt.extend(t for t in node.inputs if not is_constant(t))
         frontier = nxt
     unique = {id(n): n for n in found}
@@ -139,7 +141,7 @@ def find_score_region(graph: gs.Graph, softmax: gs.Node) -> ScoreRegion | str:
                     return "scores feed two P·V MatMuls"
                 pv = node
                 continue
-            if node.op not in ELEMENTWISE and node is not softmax and not is_row_max(node):
+            if node.op not in SCORE_OPS and node is not softmax and not is_row_max(node):
                 return f"score tensor '{tensor.name}' is read by {node.op} '{node.name}' (not elementwise)"
             if id(node) not in seen:
                 seen.add(id(node))
@@ -171,7 +173,7 @@ def _is_zero(tensor: gs.Tensor) -> bool:
     node = producer(tensor)
     if not is_constant(tensor) and node is not None and node.op in ("Cast", "CastLike"):
         tensor = node.inputs[0]
-    return is_scalar_const(tensor) and float(constant_value(tensor).ravel()[0]) == 0.0
+    return is_one_element(tensor) and float(constant_value(tensor).ravel()[0]) == 0.0
 
 
 def _row_max_test(node: gs.Node | None) -> bool:

@@ -13,14 +13,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.read import constant_value, static_shape
+from qnnpasses.ir.read import constant_value, is_one_element, static_shape
 
 MAX_SIMULATED = 1 << 26  # elements of the index tensor used to verify a layout chain
-
-
-def is_scalar_const(tensor: gs.Tensor) -> bool:
-    value = constant_value(tensor)
-    return value is not None and value.size == 1
 
 
 def layout_step(node: gs.Node) -> tuple | None:
@@ -41,7 +36,7 @@ def layout_step(node: gs.Node) -> tuple | None:
     if node.op == "Identity":
         return ("identity",)
     if node.op in ("Mul", "Div") and len(node.inputs) == 2:
-        idx = [i for i, t in enumerate(node.inputs) if is_scalar_const(t)]
+        idx = [i for i, t in enumerate(node.inputs) if is_one_element(t)]
         if idx and (node.op == "Mul" or idx == [1]):
             return ("scalar", node.op, node.inputs[idx[0]], idx[0])
     return None

@@ -80,12 +80,24 @@ def constant_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:
     return None if value is None else value.shape
 
 
-def is_constant(tensor: gs.Tensor | None) -> bool:
-    """Whether ``tensor``'s value is known at rewrite time, without reading that value."""
-    if isinstance(tensor, gs.Constant):
-        return True
-    node = producer(tensor) if tensor is not None else None
-    return node is not None and node.op == "Constant" and not node.inputs and constant_value(tensor) is not None
+def is_constant(tensor: gs.Tensor | None, *, through_identity: bool = False) -> bool:
+    """Whether ``tensor``'s value is known at rewrite time, without reading that value (with
+    ``through_identity`` also an Identity chain of one: TorchScript shares equal weights so)."""
+    for _ in range(8 if through_identity else 1):
+        if isinstance(tensor, gs.Constant):
+            return True
+        node = producer(tensor) if tensor is not None else None
+        if node is not None and node.op == "Identity" and through_identity:
+            tensor = node.inputs[0]
+            continue
+        return node is not None and node.op == "Constant" and not node.inputs and constant_value(tensor) is not None
+    return False
+
+
+def is_one_element(tensor: gs.Tensor | None) -> bool:
+    """A constant of exactly one element (a scalar or ``[1]``, ``[1, 1]``...; its value is not read)."""
+    shape = constant_shape(tensor)
+    return shape is not None and int(np.prod(shape, dtype=np.int64)) == 1
 
 
 def is_scalar_constant(tensor: gs.Tensor | None, expected: float | None = None, rtol: float = 1e-6) -> bool:

@@ -19,6 +19,7 @@ import networkx as nx
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.read import is_constant
 
 #: The pipeline lint folds with before reading shapes.
 SIMPLIFY = "simplify"
@@ -75,20 +76,6 @@ class Rewrite:
         if self.supported_after(name) is False:
             return False
         return sum(not r.supported for r in self._after_support.values()) < self._before_unsupported
-
-
-def is_constant(tensor: gs.Tensor) -> bool:
-    """An initializer, a Constant node's output, or an Identity of one (TorchScript shares weights so)."""
-    for _ in range(8):
-        if isinstance(tensor, gs.Constant):
-            return True
-        node = tensor.inputs[0] if tensor.inputs else None
-        if node is None or node.op not in ("Constant", "Identity"):
-            return False
-        if node.op == "Constant":
-            return True
-        tensor = node.inputs[0]
-    return False
 
 
 def name_nodes(graph: gs.Graph) -> None:
@@ -190,7 +177,7 @@ class LintContext:
         rw = self.rewrite(spec, base)
         nodes = {n.name: n for n in rw.before.graph.nodes}
         names = rw.removed + (rw.rewired if rewired else [])
-        computed = [name for name in names if any(not is_constant(t) for t in nodes[name].inputs)]
+        computed = [name for name in names if any(not is_constant(t, through_identity=True) for t in nodes[name].inputs)]
         return [[nodes[name] for name in group] for group in self.components(computed, graph=rw.before.graph)]
 
     def components(self, names: Iterable[str], graph: gs.Graph | None = None) -> list[list[str]]:

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import onnx_graphsurgeon as gs
 
-from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite, is_constant
+from qnnpasses.ir.read import is_constant
+from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite
 from qnnpasses.lint.registry import ONNX_OPS_DOCS, Finding, Rule, rule
 from qnnpasses.passes.fold._nops import COMMUTATIVE
 from qnnpasses.passes.norm._match import find_norms
@@ -22,7 +23,7 @@ LAYOUT_CHAINS = "layout{identity=false,weights=false,split_proj=false,head_proj=
 
 def _constant_first(node: gs.Node) -> bool:
     return (node.op in COMMUTATIVE and node.domain in ("", "ai.onnx", None) and len(node.inputs) == 2
-            and is_constant(node.inputs[0]) and not is_constant(node.inputs[1]))
+            and is_constant(node.inputs[0], through_identity=True) and not is_constant(node.inputs[1], through_identity=True))
 
 
 def _swapped(name: str) -> Callable[[Rewrite], bool]:

@@ -12,7 +12,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.shapes import is_static
-from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite, is_constant
+from qnnpasses.ir.read import is_constant
+from qnnpasses.lint.context import SIMPLIFY, LintContext, Rewrite
 from qnnpasses.lint.registry import Finding, Rule, rule
 from qnnpasses.units import fmt_bytes
 
@@ -30,7 +31,7 @@ def _is_empty(tensor: gs.Tensor) -> bool:
 def _empty_data(tensor: gs.Tensor) -> bool:
     """A computed tensor with zero elements; empty 1-D int64 tensors are shape/axes operands
     (``ConstantOfShape([])`` makes a scalar) and constants are folded by onnxruntime."""
-    if isinstance(tensor, gs.Constant) or is_constant(tensor) or not _is_empty(tensor):
+    if isinstance(tensor, gs.Constant) or is_constant(tensor, through_identity=True) or not _is_empty(tensor):
         return False
     return not (len(tensor.shape) == 1 and tensor.dtype is not None and np.dtype(tensor.dtype) == np.int64)
 

@@ -24,6 +24,7 @@ import numpy as np
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.ir.op_kinds import LAYOUT
 from qnnpasses.llm.verify import PartsRunner, static_feed
 from qnnpasses.passmanager.rewrite import constant_value
 
@@ -259,13 +260,13 @@ def _logits_matmul(ir: IRModel, logits: str) -> str | None:
     while tensor is not None and (node := producer(tensor)) is not None:
         if node.op == "MatMul":
             return node.name if constant_value(node.inputs[1]) is not None else None
-        if node.op not in ("Reshape", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Flatten"):
+        if node.op not in LAYOUT:
             return None
         tensor = node.inputs[0]
     return None
 
 
-_MOVES = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten")
+_MOVES = LAYOUT
 
 
 def moved_into(ir: IRModel, output: str) -> list[str]:

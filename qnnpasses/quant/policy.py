@@ -47,6 +47,8 @@ from onnxruntime.quantization import QuantType
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.op_kinds import LAYOUT
+from qnnpasses.ir.read import is_constant, producer
 
 CATEGORIES = ("embedding", "lm_head", "attention", "softmax", "norm")
 ACTIVATION_TYPES = {"uint8": QuantType.QUInt8, "uint16": QuantType.QUInt16, "int8": QuantType.QInt8,
@@ -58,7 +60,7 @@ WEIGHT_SCALES = ("minmax", "mse")
 #: Weight rounding on those grids: to nearest, or GPTQ (:mod:`qnnpasses.quant.gptq`; ``gptq-act``:
 #: input channels in decreasing order of their calibration energy, the paper's act-order).
 WEIGHT_ROUNDINGS = ("nearest", "gptq", "gptq-act")
-_SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
+_SHAPE_OPS = LAYOUT
 _SCORE_OPS = {"Add", "Mul", "Div", "Sub", "Where", "Max", "Reshape", "Transpose", "Cast"}  # Max: a masked-row clamp
 _NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
 
@@ -179,23 +181,15 @@ class Plan:
 # --------------------------------------------------------------------------- finding tensors
 
 
-def _is_const(t: gs.Tensor) -> bool:
-    return isinstance(t, gs.Constant) or bool(t.inputs and t.inputs[0].op == "Constant")
-
-
-def _producer(t: gs.Tensor) -> gs.Node | None:
-    return t.inputs[0] if t.inputs else None
-
-
 def _from_graph_input(t: gs.Tensor, graph_inputs: set[str], depth: int = 6) -> bool:
     """True when ``t`` is a graph input or computed from one through a few index/shape ops."""
     for _ in range(depth):
         if t.name in graph_inputs:
             return True
-        node = _producer(t)
+        node = producer(t)
         if node is None or node.op not in _SHAPE_OPS | {"Cast", "Add", "Sub", "Mul", "Clip"}:
             return False
-        t = next((i for i in node.inputs if not _is_const(i)), None)
+        t = next((i for i in node.inputs if not is_constant(i)), None)
         if t is None:
             return False
     return False
@@ -217,10 +211,10 @@ def head_outputs(graph: gs.Graph) -> list[str]:
     found = []
     for out in graph.outputs:
         chain, t = [], out
-        while (node := _producer(t)) is not None and node.op in _SHAPE_OPS:
+        while (node := producer(t)) is not None and node.op in _SHAPE_OPS:
             chain.append(t.name)
             t = node.inputs[0]
-        node = _producer(t)
+        node = producer(t)
         if node is not None and node.op in ("MatMul", "Gemm") and any(isinstance(i, gs.Constant) for i in node.inputs[1:2]):
             found += [t.name] + chain
     return found
@@ -239,15 +233,15 @@ def attention_tensors(graph: gs.Graph) -> tuple[list[str], list[str]]:
 
 def _path_to_scores_matmul(t: gs.Tensor, depth: int = 8) -> list[str] | None:
     """Tensor names from an activation×activation MatMul to ``t`` through score ops, or None."""
-    node = _producer(t)
+    node = producer(t)
     if node is None or depth == 0:
         return None
     if node.op == "MatMul":
-        return [t.name] if not any(_is_const(i) for i in node.inputs) else None
+        return [t.name] if not any(is_constant(i) for i in node.inputs) else None
     if node.op not in _SCORE_OPS:
         return None
     for operand in node.inputs:
-        if _is_const(operand) or operand.dtype is None or np.dtype(operand.dtype).kind != "f":
+        if is_constant(operand) or operand.dtype is None or np.dtype(operand.dtype).kind != "f":
             continue
         below = _path_to_scores_matmul(operand, depth - 1)
         if below:
@@ -261,12 +255,12 @@ def norm_tensors(graph: gs.Graph) -> list[str]:
     for node in (n for n in graph.nodes if n.op in _NORMS):
         found.append(node.outputs[0].name)
         t = node.inputs[0]
-        while not _is_const(t):
+        while not is_constant(t):
             found.append(t.name)
-            producer = _producer(t)
-            if producer is None or producer.op not in _SHAPE_OPS:
+            node = producer(t)
+            if node is None or node.op not in _SHAPE_OPS:
                 break
-            t = producer.inputs[0]
+            t = node.inputs[0]
     return list(dict.fromkeys(found))
 
 
@@ -285,7 +279,7 @@ def kv_tensors(graph: gs.Graph) -> list[str]:
 
 def norm_scales(graph: gs.Graph) -> list[str]:
     """Constant scales (gamma) of RMSNormalization / LayerNormalization."""
-    return [n.inputs[1].name for n in graph.nodes if n.op in _NORMS and len(n.inputs) > 1 and _is_const(n.inputs[1])]
+    return [n.inputs[1].name for n in graph.nodes if n.op in _NORMS and len(n.inputs) > 1 and is_constant(n.inputs[1])]
 
 
 def head_weights(graph: gs.Graph) -> list[str]:

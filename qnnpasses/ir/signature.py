@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.passmanager.rewrite import constant_value, producer
+from qnnpasses.ir.read import constant_value, producer
 
 _BINARY: dict[str, Callable] = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
 _UNARY: dict[str, Callable] = {"Neg": np.negative, "Identity": lambda a: a, "Sqrt": np.sqrt}
