@@ -25,8 +25,6 @@ import functools
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +37,8 @@ from typing import Any, Union
 
 import numpy as np
 import onnxruntime as ort
+
+from qnnpasses.backends.child import run_child, strip_ansi
 
 ModelArg = Union[str, bytes, "os.PathLike[str]"]
 
@@ -53,13 +53,8 @@ _registered = False
 #: Lines the backend libraries printed (ANSI colour codes removed), oldest first; the command
 #: line summarises them, and prints them with ``-v``.
 BACKEND_LOG: list[str] = []
-_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 #: Off in the probe child, whose parent reads the raw log from the child's stderr.
 _capture = True
-
-
-def strip_ansi(text: str) -> str:
-    return _ANSI_RE.sub("", text)
 
 
 @contextlib.contextmanager
@@ -537,21 +532,16 @@ def probe_placement(
     with tempfile.TemporaryDirectory(prefix="qnnpasses_probe_") as tmp:
         work = Path(keep_dir) if keep_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "qnnpasses.backends.htp", os.fspath(model_path), "--workdir", os.fspath(work), "--backend", backend]
+        args = [os.fspath(model_path), "--workdir", os.fspath(work), "--backend", backend]
         if inputs is not None:
             np.savez(work / "inputs.npz", **inputs)
-            cmd += ["--inputs", os.fspath(work / "inputs.npz")]
+            args += ["--inputs", os.fspath(work / "inputs.npz")]
         if not fp16:
-            cmd.append("--no-fp16")
+            args.append("--no-fp16")
         if not optimize:
-            cmd.append("--no-optimize")
+            args.append("--no-optimize")
         log_path = work / "backend.log"
-        with open(log_path, "wb") as log:
-            try:
-                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-                crash = _describe_exit(proc.returncode)
-            except subprocess.TimeoutExpired:
-                crash = f"timed out after {timeout:g}s"
+        crash = run_child("qnnpasses.backends.htp", args, work / "result.json", timeout=timeout, log_path=log_path).crash
         placement = _collect(work, log_path, crash)
     placement.seconds = round(time.monotonic() - start, 3)
     return placement
@@ -566,17 +556,6 @@ def _with_root_cause(error: str, backend_errors: list[str]) -> str:
     else:
         specific = []
     return f"{error} [{specific[0]}]" if specific else error
-
-
-def _describe_exit(returncode: int) -> str | None:
-    if returncode == 0:
-        return None
-    if returncode < 0:
-        try:
-            return f"backend process killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"backend process killed by signal {-returncode}"
-    return f"backend process exited with status {returncode}"
 
 
 def _collect(work: Path, log_path: Path, crash: str | None) -> Placement:

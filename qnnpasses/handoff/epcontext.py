@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from qnnpasses.backends.child import run_child
+
 EMBED_LIMIT_BYTES = 2_000_000_000
-CHILD_TIMEOUT = 900.0
 
 
 # --------------------------------------------------------------------------- child side
@@ -81,18 +80,11 @@ def _child(argv: list[str] | None = None) -> int:
 
 
 def _run_child(args: list[str], work: Path, tag: str) -> dict[str, Any]:
-    result_path = work / f"{tag}.json"
-    cmd = [sys.executable, "-m", "qnnpasses.handoff.epcontext", *args, "--result", str(result_path)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=CHILD_TIMEOUT, check=False)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"{tag}: timed out after {CHILD_TIMEOUT:g}s"}
-    if not result_path.exists():
-        from qnnpasses.backends.htp import strip_ansi
-
-        tail = strip_ansi(proc.stderr.decode(errors="replace")).strip().splitlines()[-1:] if proc.stderr else []
-        return {"ok": False, "error": f"{tag}: backend process exited with status {proc.returncode} {' '.join(tail)}".strip()}
-    return json.loads(result_path.read_text())
+    child = run_child("qnnpasses.handoff.epcontext", [*args, "--result", str(work / f"{tag}.json")], work / f"{tag}.json")
+    if child.result is None:
+        why = child.crash or f"backend process exited with status {child.returncode}"
+        return {"ok": False, "error": f"{tag}: {why} {' '.join(child.stderr_tail)}".strip()}
+    return child.result
 
 
 def compile_model(model: str | Path, out: str | Path, *, fp16: bool = True, embed: bool | None = None,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from qnnpasses.handoff.epcontext import CHILD_TIMEOUT, context_summary
+from qnnpasses.backends.child import run_child
+from qnnpasses.handoff.epcontext import context_summary
 
 SHARE_OPTIONS = {"enable_htp_weight_sharing": "1"}
 #: integer precision: the HTP takes the boundary Q/DQ too (as qnnpasses.quant.evaluate does)
@@ -110,25 +110,18 @@ def _child(argv: list[str] | None = None) -> int:
 
 def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separate: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="qnnpasses_llm_") as tmp:
-        result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "qnnpasses.llm.compile", mode, "--result", str(result_path),
-               "--pairs", json.dumps([[str(a), str(b)] for a, b in pairs])]
-        cmd += ([] if fp16 else ["--int"]) + (["--separate"] if separate else [])
-        try:
-            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=CHILD_TIMEOUT, check=False)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"{mode}: timed out after {CHILD_TIMEOUT:g}s"}
-        result = json.loads(result_path.read_text()) if result_path.exists() else {"ok": False, "done": []}
-    if proc.returncode != 0 or not result.get("ok"):
-        from qnnpasses.backends.htp import _describe_exit
-
-        how = _describe_exit(proc.returncode) or "failed"
-        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] if proc.stderr else []
+        args = [mode, "--result", str(Path(tmp) / "result.json"),
+                "--pairs", json.dumps([[str(a), str(b)] for a, b in pairs])]
+        args += ([] if fp16 else ["--int"]) + (["--separate"] if separate else [])
+        child = run_child("qnnpasses.llm.compile", args, Path(tmp) / "result.json")
+    result = child.result or {"ok": False, "done": []}
+    if not child.ok:
         step = len(result.get("done", []))
         stage = f" ({result['stage']})" if result.get("stage") else ""
         what = f"{'separate' if separate else 'shared'} {mode}" if mode != "place" else "placement"
-        result.update(ok=False, error=f"{what}: {how} at graph {step + 1} of {len(pairs)}{stage}"
-                      + (f" ({tail[0][:200]})" if tail and proc.returncode > 0 else ""))
+        tail = child.stderr_tail if child.returncode and child.returncode > 0 else []
+        result.update(ok=False, error=f"{what}: {child.crash or 'failed'} at graph {step + 1} of {len(pairs)}{stage}"
+                      + (f" ({tail[0][:200]})" if tail else ""))
     return result
 
 
