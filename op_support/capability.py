@@ -1,7 +1,7 @@
 """What the QNN HTP runs natively, asked by the norm and GeLU passes before they rewrite.
 
 Read from the op-support table (``op_support/tables/htp.json``, measured on the real
-backend: onnxruntime-qnn, QNN 2.40, soc 60 / v73, fp16), the same data ``qnnpasses check``
+backend; the table records the backend and target it was measured on), the same data ``qnnpasses check``
 and the partitioner use, so a pass never keeps its own list.  The facts the passes rely on,
 as the table states them:
 

@@ -54,7 +54,7 @@ class QuantMask(Pass):
     summary = "attention mask -1e4/finfo.min => -(calibrated score spread + margin): small range for QDQ"
     # Not verified on CASE_PADDED_LEFT: a causal model's left-padded query rows see no key at all;
     # there the causal and padding masks add up unevenly (-M vs -2M), so those rows -- outputs
-    # every consumer discards -- change (SmolLM2-135M: logits move by 1.6e-2 in that case).
+    # every consumer discards -- change.
     contract = assumes("unmasked score spreads stay below the calibrated spread + margin, and no query row "
                        "is fully masked", holds_on=(CASE_RANDOM, CASE_PADDED_RIGHT, CASE_MASKED, CASE_GIVEN))
     requires = frozenset({FINITE_MASKS})

@@ -10,8 +10,8 @@
 
 * Commutative binary ops (``Add``, ``Mul``, ``And``, ``Or``, ``Xor``, ``Equal``, ``Max``,
   ``Min``, bitwise and/or/xor) get their constant operand second.  Exporters emit
-  ``Mul(weight, x)`` for the RMSNorm scale (``self.weight * hidden``); the HTP (QNN 2.40,
-  fp16) then fails to *finalize* the whole graph ("could not create op:
+  ``Mul(weight, x)`` for the RMSNorm scale (``self.weight * hidden``); the HTP (fp16,
+  the op-support table's backend) then fails to *finalize* the whole graph ("could not create op:
   q::ForceFormat_Crouton" on that Mul), while ``Mul(x, weight)`` runs.  IEEE addition and
   multiplication are commutative, so the swap is bit-exact.
 

@@ -11,12 +11,11 @@ the rank of ``ids``); ``E`` is no longer read and leaves the model.
 
 Why it is safe: ``Gather(W, ids, axis=1)[h, i...] = W[h, ids[i...]] = E[ids[i...], h]``: the same
 values, moved, not computed (EXACT).  On the HTP (fp16 mode) the logits are the same bits
-(``tests/test_pass_tied_embedding.py``), and SmolLM2-135M's decode graph prepares and runs as fast.
+(``tests/test_pass_tied_embedding.py``), and a trained decode graph prepares and runs as fast.
 
-What it does not do: make the compiled context smaller.  onnxruntime-qnn 2.7.0 stores the
-Gather's table in the context binary on its own: SmolLM2-135M's pair at context 256 has 57 MB
-fewer weight bytes in its ``.onnx`` graphs with the pass, and context binaries of the same size
-(385,012,724 against 385,012,707 bytes for the prefill graph).  So ``qnnpasses llm`` does not run
+What it does not do: make the compiled context smaller.  The simulated HTP has stored the
+Gather's table in the context binary on its own: a trained pair's ``.onnx`` graphs shrink by the
+table's bytes, its context binaries not.  So ``qnnpasses llm`` does not run
 it: it shrinks the ONNX file (a model near the 2 GB protobuf limit, or one that is copied
 around), not what a device holds.
 """

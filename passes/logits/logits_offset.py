@@ -32,11 +32,9 @@ row's maximum come out well over 10x closer to fp32.
 
 Cost: a second lm_head MatMul (and ReduceMax, Neg, Concat, Reshape) per call, and the lm_head's
 weight stored twice (``W`` and ``W'``).  One ``W'`` for both MatMuls (``Concat(x, 0)`` for the
-first) would store it once, but onnxruntime-qnn 2.7.0's HTP handles two MatMuls that share a
-weight with a reduction between them badly: preparing an lm_head of SmolLM2-135M's size alone
-(576 x 49,152) took about 12x as long as with two weights, and with a vocabulary of 98,304 the
-prepared graph ran about 8x slower (one-off probes of the lm_head alone, fp16 mode).  With two weights
-both stay in proportion to the plain lm_head.  ``qnnpasses llm`` applies the pass to fp16 pairs
+first) would store it once, but the simulated HTP handles two MatMuls that share a weight with a
+reduction between them badly (one-off probes of an lm_head alone, fp16 mode: several times
+slower to prepare and to run than with two weights, which stay in proportion to the plain lm_head).  ``qnnpasses llm`` applies the pass to fp16 pairs
 only (a quantized pair's logits have 16-bit steps set by calibration instead); ``--plain-logits``
 turns it off.
 """

@@ -97,9 +97,9 @@ def const(ir: IRModel, ctx: PassContext, like: gs.Tensor, value: float, hint: st
     return make_constant(ir, ctx, hint, scalar_like(like.dtype, value))
 
 
-#: Least argument :func:`floored_exp` lets reach ``Exp``.  The HTP's fp16 ``Exp`` (onnxruntime-qnn
-#: 2.7.0's simulator) returns garbage, about +-1.3e5, for many arguments below about -87
-#: (-90, -100, -1000, -3e4; 0 at others), and 0 from there up to fp16's underflow near -17.
+#: Least argument :func:`floored_exp` lets reach ``Exp``.  The HTP's fp16 ``Exp`` (the simulator
+#: here) has returned garbage of fp16 magnitude for large negative arguments, where it should
+#: give 0 (fp16 underflows near -17).
 #: ``exp(-64)`` = 1.6e-28 is below fp32's rounding of anything it is added to or scales next
 #: to a term of order 1, so flooring there changes no fp32 result beyond rounding.
 EXP_FLOOR = -64.0

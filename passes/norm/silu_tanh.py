@@ -9,11 +9,10 @@ exactly; the rewrite changes the rounding, not the function (fp32: a few ulps). 
 exact in binary floating point down to the subnormals, ``Tanh`` is bounded by 1, so nothing can
 overflow where the original did not (``h * t`` is at most ``|h|``).
 
-Why: on the QNN HTP in fp16 mode (onnxruntime-qnn's simulator, SmolLM2-135M's own activations;
-``tools/probe_fp16_ops.py``, ``docs/fp16_ops.md``), ``Sigmoid`` and ``x * Sigmoid(x)`` alone
-are about twice as far from fp32 as an ideal fp16 op, the Tanh forms within ~1.2x of ideal; and
-in a one-token (decode) graph the HTP fuses ``MatMul -> Sigmoid -> Mul`` into a kernel several
-times less precise still, which the Tanh form is not fused into.  Elsewhere (CPU, fp32) the two
+Why: on the QNN HTP in fp16 mode (a trained model's own activations; ``tools/probe_fp16_ops.py``,
+``docs/fp16_ops.md``), ``Sigmoid`` and ``x * Sigmoid(x)`` are further from fp32 than an ideal
+fp16 op and the Tanh forms close to it; and in a one-token (decode) graph the HTP fuses
+``MatMul -> Sigmoid -> Mul`` into a kernel less precise still, which the Tanh form is not fused into.  Elsewhere (CPU, fp32) the two
 forms are the same function, so the pass is harmless where it is not needed.
 """
 

@@ -15,9 +15,9 @@ fp32's rounding of any sum of them, so a masked entry's probability is 1.6e-28 i
 smaller number or 0.  A row of only ``-inf`` (NaN in Softmax) stays NaN only where ``Max``
 propagates NaN; htp-llm's finite masks leave no such row.
 
-Why: on the QNN HTP in fp16 mode (onnxruntime-qnn's simulator, SmolLM2-135M's own attention
-scores; ``tools/probe_fp16_ops.py``, ``docs/fp16_ops.md``) the native Softmax is several times
-as far from fp32 as an ideal fp16 op, the spelled-out form within about 1.5x of it.  It costs
+Why: on the QNN HTP in fp16 mode (a trained model's own attention scores;
+``tools/probe_fp16_ops.py``, ``docs/fp16_ops.md``) the native Softmax is further from fp32 than
+an ideal fp16 op, the spelled-out form close to it.  It costs
 five more ops per Softmax, so ``qnnpasses llm`` applies it to fp16 pairs only (an integer-mode
 graph runs its Softmax on quantized inputs, where this does not apply).
 """

@@ -5,8 +5,7 @@ one channel is spread evenly over all ``n`` channels, which is the smallest poss
 output for a single-channel outlier (any orthogonal matrix has a column of norm 1, so some
 entry is at least ``1/sqrt(n)``).  We build ``H`` as a Kronecker product of Sylvester blocks
 (``2``) and Paley-I blocks (order ``q+1`` for a prime ``q = 3 mod 4``: 4, 12, 20, 24, 32, 44, ...).
-Hidden sizes of real models factor that way: 576 = 12·12·4 (SmolLM2-135M), 384 = 12·32
-(MiniLM), 4096 = 2^12.  Where no factorization exists the matrix is ``H_(2^k) ⊗ R_m`` with a
+Hidden sizes of real models factor that way: 576 = 12·12·4, 384 = 12·32, 4096 = 2^12.  Where no factorization exists the matrix is ``H_(2^k) ⊗ R_m`` with a
 seeded Haar-random orthogonal ``R_m`` for the odd remainder ``m`` (entries spread, not equal).
 """
 

@@ -10,7 +10,8 @@ not touched).
 Why: ``norm(x)·γ`` feeds only ``(norm(x)·γ)·W = norm(x)·(diag(γ)·W)``, so the function is
 the same up to fp32 rounding of the product.  What it is for: with ``γ = 1`` the norm
 commutes with an orthogonal rotation of its input (``rotate-residual``), and the norm
-output's range no longer carries ``γ``'s outliers (SmolLM2's final-norm ``γ`` spans 0.2-7).
+output's range no longer carries ``γ``'s outliers (a trained final-norm ``γ`` can span more
+than an order of magnitude).
 """
 
 from __future__ import annotations

@@ -11,14 +11,13 @@ Produces, with an orthogonal ``R`` (``R·Rᵀ = I``):
 Why safe: every stream tensor becomes ``h·R``; ``RMSNorm(h·R) = RMSNorm(h)·R`` because
 an orthogonal map keeps ``mean(h²)`` and a unit-scale norm is then linear in ``h``; readers
 compute ``(norm(h)·R)·(Rᵀ·W) = norm(h)·W``.  Exact up to fp32 rounding, which the stream's
-own magnitude amplifies: on SmolLM2-135M the logits move by up to 5e-3 (cosine 1 - 2e-10)
-on the manager's verification cases, hence the stated tolerance (1e-3 + 1e-3·max|ref|).  Anything else
+own magnitude amplifies on trained models, hence the stated tolerance (1e-3 + 1e-3·max|ref|).  Anything else
 touching the stream (a graph output, a LayerNorm, a non-unit norm scale) stops the pass
 before it changes a thing, with the reason.
 
 What it is for: trained LLMs keep "massive activations" in a few channels of the stream
-(SmolLM2-135M: |h| ≈ 26,000 in one channel of the first token).  A per-tensor 16-bit range
-that must hold them has a step of ~0.8, coarser than most of the stream.  With a normalized
+(tens of thousands, in one channel of the first token).  A per-tensor 16-bit range that must
+hold them has a step coarser than most of the stream.  With a normalized
 Hadamard ``R`` every channel gets ``±h_c/√n``: the range shrinks by up to √n (24× at 576).
 This is QuaRot / SpinQuant's offline ``R1`` rotation; see :mod:`._orthogonal` for the matrix.
 """

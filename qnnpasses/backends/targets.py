@@ -17,11 +17,10 @@ Memory (the peak LPDDR5X rate Qualcomm announced, times the bus width): X Elite 
 (the phones' launch specifications).  The others are left unknown.  Decode on a phone is bound
 by these bytes per second (:mod:`qnnpasses.llm.footprint`).
 
-What the simulated HTP here does with them (onnxruntime-qnn 2.7.0, measured with
-``tests/test_targets.py``): every target above but the 8s Gen 3 prepares and runs a float graph
-in fp16 and compiles it to a context binary, and the binary differs per target (SoC and arch are
-compiled in).  A SoC model the backend does not know (68, the 8s Gen 3, here) leaves every node
-to the CPU: :func:`qnnpasses.backends.htp.check_target` asks the backend with a three-node graph
+What the simulated HTP does with each target is measured by ``tests/test_targets.py`` and
+``tools/targets_doc.py`` (``docs/targets.md``): a target it knows prepares, runs and compiles a
+float graph in fp16, and the binary differs per target (SoC and arch are compiled in).  A SoC
+model the backend does not know leaves every node to the CPU: :func:`qnnpasses.backends.htp.check_target` asks the backend with a three-node graph
 and refuses such a target with one line.  The backend does not check that the arch matches the SoC, so
 :func:`resolve` does: a ``--htp-arch`` that contradicts ``--soc`` is refused.
 """

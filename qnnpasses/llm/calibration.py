@@ -53,9 +53,9 @@ Answer: Mercury. The capital of France is Paris, and the longest river in Africa
 def calibration_sequences(vocab: int, context: int, calib: str | Path | None, input_ids: str,
                           tokenizer_dir: Path | None) -> tuple[list[list[int]], str]:
     """Token sequences to calibrate on, and where they came from: ``--calib``, else :data:`TEXT`
-    through the tokenizer, else seeded random ids.  Random ids are not added to text: on trained
-    SmolLM2 they widen the key range by a fifth, which costs more resolution than the saturation
-    they avoid (docs/llm_bundles.md)."""
+    through the tokenizer, else seeded random ids.  Random ids are not added to text: on a trained
+    model they widen the key range, which costs more resolution than the saturation they avoid
+    (docs/llm_bundles.md)."""
     limit = min(MAX_TOKENS, context)
     if calib is not None:
         from qnnpasses.llm.quantize import load_token_sequences

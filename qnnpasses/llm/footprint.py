@@ -9,7 +9,7 @@ Weights are counted in the dtype the HTP holds them in: the float initializers o
 at 2 bytes (the HTP computes in fp16 whatever the ``.onnx`` stores), quantized ones at their
 bit width (int4 at half a byte).  When the graphs were compiled, their context binaries
 (``compiled_bytes``) are what the device loads, and they count instead: they can hold more than the
-graph's weights (onnxruntime-qnn 2.7.0 stores a table that a Gather and a MatMul share twice,
+graph's weights (a table that a Gather and a MatMul share can be stored twice,
 ``passes/fold/tied_embedding.py``).  ``weights_from`` says which was counted.  ``device_bytes`` is
 what the device holds at once: each graph's weights (the pair's contexts are separate unless
 ``weight_sharing`` is ``shared``) plus the KV cache.

@@ -12,11 +12,10 @@ things the pass manager's per-graph check cannot know:
   that fails its check on either graph is rolled back on both.
 * **Whose rounding the check measures.**  The manager verifies every rewrite in fp32 on
   synthetic inputs: seeded ``N(0, 1)`` past K/V under an all-ones mask, the same scaled
-  by 1,000, masked variants.  A trained pair is ill-conditioned on such caches: on
-  SmolLM2-135M the *original* graph's own fp32 result differs from its float64 result by
-  up to 1.4x the EXACT bound (``1e-4 + 1e-4·max|ref|``) on the random cache and ~6,000x on
-  the scaled one (prefill), and flipping every weight by one ulp moves the logits past the
-  bound.  Any rewrite that changes where fp32 rounds fails there, so ``fold-norm-weights``
+  by 1,000, masked variants.  A trained pair is ill-conditioned on such caches: the
+  *original* graph's own fp32 result can differ from its float64 result by more than the
+  EXACT bound (``1e-4 + 1e-4·max|ref|``), by orders of magnitude on the scaled cache, and
+  moving every weight by one ulp moves the logits past the bound.  Any rewrite that changes where fp32 rounds fails there, so ``fold-norm-weights``
   (EXACT) was rolled back on the pair while it applies on the single-graph model, whose
   only inputs are token ids.
 
@@ -27,16 +26,13 @@ So each pass is verified with its own contract's tolerance (EXACT: the manager's
    (:func:`float64_model`; the rewritten constants keep the fp32 values the pass wrote), on
    the manager's synthetic cases and on real calls of the pair.  What is left of the fp32
    arithmetic is the fp32 *storage* of the rewritten weights (up to half an ulp each), and
-   on the scaled ("extreme") caches even that is amplified: moving every weight of the
-   original SmolLM2 prefill graph by one ulp moves new K/V values by up to 3.7 there, in
-   float64 -- the output is not determined to any useful bound by fp32 weights.  So an
+   on the scaled ("extreme") caches even that is amplified: moving every weight of a trained
+   prefill graph by one ulp moves new K/V values by whole units there, in float64 -- the
+   output is not determined to any useful bound by fp32 weights.  So an
    output whose one-ulp floor (:func:`ulp_floor`, the larger of two random-sign
    perturbations) exceeds the contract's bound on a case is reported there, not held to it
    (``ill_conditioned``); every other output of every case is held to the contract's bound.
-   An exact rewrite uses a small part of it (measured on SmolLM2-135M's pair: < 0.001 of the
-   EXACT bound for fold-norm-weights, < 0.025 of rotate-residual's, on every case held to
-   it; only the prefill graph's scaled cache has ill-conditioned outputs, 25-29 of 61, with
-   floors up to ~1,900x the bound); a wrong one (a misplaced scale, a non-orthogonal matrix,
+   An exact rewrite uses a small part of it on every case held to it; a wrong one (a misplaced scale, a non-orthogonal matrix,
    a 0.1% change of one weight matrix) does not pass;
 2. **fp32 on real calls** -- the graph as deployed (fp32) on the first :data:`REAL_SAMPLES`
    calibration calls of the float pair (real caches the graphs themselves wrote), with the

@@ -90,8 +90,8 @@ def calibration_samples(folder: Path, manifest: dict[str, Any], sequences: np.nd
     float pair processes ``sequences``, written as ``out/<graph>/<input>.npy`` stacks.
 
     Streamed: the calls to keep are chosen before anything runs and each kept feed goes straight
-    into a memory-mapped file, so memory holds one cache, not every call's copy of it (a
-    SmolLM2 decode feed carries ~6 MB of past K/V; 32 sequences made ~1,100 of them)."""
+    into a memory-mapped file, so memory holds one cache, not every call's copy of it (every decode call's feed
+    carries the whole past K/V)."""
     graphs = manifest["graphs"]
     plans = _schedule(manifest, sequences)
     calls = {name: [(s, i) for s, plan in enumerate(plans) for i, (n, _) in enumerate(plan) if n == name]
@@ -212,11 +212,9 @@ def pair_policy(precision: str, prefill: IRModel, logits: str):
     """The precision's policy for the pair: its outlier rewrites already ran (:func:`rewrite_pair`), and
     with 8-bit weights the lm_head (the MatMul computing ``logits``) keeps 16-bit weights (``raised``).
 
-    Why the lm_head: measured on SmolLM2-135M's rotated w8a16 pair (CPU proxy, 4 prompts of real
-    text fed in prefill chunks), teacher-forced top-1 is 92.2% with every weight int8, 97.4% with
-    every weight back in float, 94.3% with the lm_head alone back in float (as much as all 30
-    o_proj or all 30 down_proj together), and 96.4% with a 16-bit lm_head: one MatMul (the
-    weights SmolLM2 ties to its embedding table), whose output is what top-1 reads."""
+    Why the lm_head: its output is what top-1 reads.  On a trained pair, the lm_head alone back
+    in float recovered as much top-1 agreement as every o_proj or every down_proj together, and a
+    16-bit lm_head most of that, for one MatMul (the ``h16`` plans of docs/quant_llm.md)."""
     from qnnpasses.quant.shared import PRECISIONS, precision_policy
 
     base = PRECISIONS[precision]
@@ -288,9 +286,9 @@ def own_activation_names(ir: IRModel, graph_name: str) -> int:
     the union of its ranges.  The pair's graphs must agree on the weights (shared) and on the KV
     cache that passes between them (tied), but not on their internal activations, and there one
     range does not fit both: the prefill graph sees the first token of a sequence, where a
-    trained LLM puts its massive activation (SmolLM2-135M's residual stream reaches 24,500 in
-    prefill calls, at most ~230 in decode calls), and a decode graph quantized with prefill's
-    stream ranges gets steps ~100x coarser than its own values need."""
+    trained LLM puts its massive activation (its residual stream reaches two orders of magnitude
+    more in prefill calls than in decode calls), and a decode graph quantized with prefill's
+    stream ranges gets steps far coarser than its own values need."""
     import onnx_graphsurgeon as gs
 
     boundary = {t.name for t in list(ir.graph.inputs) + list(ir.graph.outputs)}

@@ -11,8 +11,8 @@ Steps (``qnnpasses quantize``):
 3. **Quantize.**  onnxruntime's QNN recipe (``get_qnn_qdq_config`` + ``quantize``) with the
    plan as its tensor overrides, fed by a streaming reader (one sample in memory at a time;
    the MinMax calibrator keeps only a ReduceMin/ReduceMax pair per tensor and sample.
-   onnxruntime's ``CalibMaxIntermediateOutputs`` is not used: in 1.32 it *discards* the
-   ranges of every completed chunk instead of merging them).  ``ForceQuantizeNoInputCheck`` makes ops whose
+   onnxruntime's ``CalibMaxIntermediateOutputs`` is not used: it has discarded the ranges of
+   every completed chunk instead of merging them).  ``ForceQuantizeNoInputCheck`` makes ops whose
    other operands are constants (the mask ``Where(cond, 0, -M)``) quantize them too: the
    HTP has no float ``Select`` in integer mode ("could not create op: q::Select").
    Then :func:`~qnnpasses.quant.weights.refine_weights` rewrites the weight encodings when

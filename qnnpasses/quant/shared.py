@@ -16,9 +16,8 @@ tensor has ONE encoding:
    same float values by the same rule, so shared weights get identical encodings; GPTQ
    rounding takes every graph's layer inputs from the first graph and its data, for the same reason).
 
-Precisions (:data:`PRECISIONS`), each the best recipe measured on SmolLM2-135M in
-``docs/quant_llm.md`` (rotation, then GPTQ rounding on the calibration data, which took the
-HTP's top-1 agreement from 92.2% to 95.1% in w8a16 and from 49.9% to 84.3% in w4a16):
+Precisions (:data:`PRECISIONS`), each the best recipe measured on a trained model in
+``docs/quant_llm.md`` (rotation, then GPTQ rounding on the calibration data):
 ``w8a16`` (int8 per-channel weights, 16-bit activations) and ``w4a16`` (int4 weights in blocks of
 32 input rows with MSE-optimal scales, lm_head at 8 bit).
 """
