@@ -113,3 +113,16 @@ def test_split_items_keeps_options_and_repeats_whole():
     assert split_items("none, rotate-residual{a=1,b=2},repeat{max=3}(simplify,cleanup),") == [
         "none", "rotate-residual{a=1,b=2}", "repeat{max=3}(simplify,cleanup)"]
     assert split_items("") == []
+
+
+def test_pipeline_variants_are_declared_options_on_the_named_pipeline():
+    from qnnpasses.errors import PipelineSpecError
+    from qnnpasses.passmanager.named import get_pipeline
+
+    plain, quantized = get_pipeline("htp-llm").to_text(), get_pipeline("htp-llm", "quantized").to_text()
+    assert quantized == (plain.replace("attention-cleanup,", "attention-cleanup{assume_unmasked_rows=true},")
+                         .replace("(layout,", "(layout{head_proj=false},"))
+    assert get_pipeline("htp-llm", "pair").to_text() == plain.replace(
+        "attention-cleanup,", "attention-cleanup{assume_unmasked_rows=true},")
+    with pytest.raises(PipelineSpecError, match="unknown variant 'int3'"):
+        get_pipeline("htp-llm", "int3")

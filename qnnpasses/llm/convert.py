@@ -187,9 +187,7 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits,
     and the cache taken and given in float16, :mod:`qnnpasses.llm.cache_dtype`).
 
-    ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (``layout{head_proj=false}``): the
-    Q/K/V projections stay 2-D, so each gets per-output-channel weight scales; head-major 4-D
-    weights can only be quantized per tensor on the HTP (:mod:`qnnpasses.quant.policy`)."""
+    ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (:func:`build_pipeline`)."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
     pipeline = build_pipeline(roles, tokens + past, quantized, logits_offset)
@@ -214,17 +212,9 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
 
 def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = True) -> Pipeline:
     """Every pass a graph of the pair runs after the contrib lowerings: the static cache
-    (:func:`static_cache_pipeline`), ``htp-llm`` (as ``qnnpasses quantize`` runs it when
-    ``quantized``), and for fp16 :func:`fp16_passes`."""
-    if quantized:
-        from qnnpasses.quant.driver import resolve_pipeline
-
-        htp_llm = resolve_pipeline("htp-llm")
-    else:
-        htp_llm = get_pipeline("htp-llm")
-    # A fully masked query row in the pair is a padding position (every real token sees itself):
-    # no output reads it, so its value need not be the original's (no row tests, no NaN guards).
-    htp_llm = htp_llm.with_options("attention-cleanup", assume_unmasked_rows=True)
+    (:func:`static_cache_pipeline`), ``htp-llm`` in its ``quantized`` or ``pair`` variant
+    (:data:`qnnpasses.passmanager.named.VARIANTS`), and for fp16 :func:`fp16_passes`."""
+    htp_llm = get_pipeline("htp-llm", "quantized" if quantized else "pair")
     pipeline = static_cache_pipeline(context, roles.position_ids) + htp_llm
     # a quantized graph runs in integer mode: the fp16 formulations are for fp16 pairs only
     return pipeline if quantized else pipeline + fp16_passes(roles.logits, logits_offset)

@@ -27,10 +27,32 @@ def named_pipelines() -> dict[str, NamedPipeline]:
     return dict(_PIPELINES)
 
 
-def get_pipeline(name: str) -> Pipeline:
+#: How a named pipeline runs for the callers that need it otherwise: variant -> pass -> options
+#: on top of the pass's own (a pass the pipeline lacks is left alone).
+#:
+#: * ``quantized`` (``qnnpasses quantize``, quantized LLM pairs): the Q/K/V projections stay 2-D,
+#:   so each gets per-output-channel weight scales (head-major 4-D weights can only be quantized
+#:   per tensor on the HTP, :mod:`qnnpasses.quant.policy`, which int4 does not survive); and no
+#:   query row is fully masked, as ``quant-mask`` assumes after it (a row test against -1e4 would
+#:   never fire once the mask is the calibrated -M).
+#: * ``pair`` (fp16 LLM pairs): a fully masked query row is a padding position that no output
+#:   reads, so its value need not be the original's (no row tests, no NaN guards).
+VARIANTS: dict[str, dict[str, dict[str, object]]] = {
+    "quantized": {"layout": {"head_proj": False}, "attention-cleanup": {"assume_unmasked_rows": True}},
+    "pair": {"attention-cleanup": {"assume_unmasked_rows": True}},
+}
+
+
+def get_pipeline(name: str, variant: str | None = None) -> Pipeline:
+    """The named pipeline, as :data:`VARIANTS` ``variant`` runs it when given."""
     if name not in _PIPELINES:
         raise PipelineSpecError(f"unknown pipeline '{name}' (known: {', '.join(sorted(_PIPELINES))})")
-    return parse_pipeline(_PIPELINES[name].spec)
+    if variant is not None and variant not in VARIANTS:
+        raise PipelineSpecError(f"unknown variant '{variant}' of pipeline '{name}' (known: {', '.join(sorted(VARIANTS))})")
+    pipeline = parse_pipeline(_PIPELINES[name].spec)
+    for pass_name, options in VARIANTS[variant].items() if variant else ():
+        pipeline = pipeline.with_options(pass_name, **options)
+    return pipeline
 
 
 def derive_order(names: list[str], *, first: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> list[str]:

@@ -84,18 +84,9 @@ class QuantizeResult:
 
 
 def resolve_pipeline(pipeline: str) -> Pipeline:
-    """A named pipeline (``htp-llm``) or a textual one (``fix-shapes,simplify,...``).
-
-    ``htp-llm`` runs with ``layout{head_proj=false}`` here: head-major 4-D projection weights
-    can only be quantized per tensor on the HTP (see :mod:`qnnpasses.quant.policy`), which
-    int4 does not survive; 2-D projections get per-channel scales.  ``attention-cleanup`` assumes
-    no query row is fully masked, as ``quant-mask`` does after it (a row test against -1e4 would
-    never fire once the mask is the calibrated -M).
-    """
-    if pipeline == "htp-llm":
-        return (get_pipeline(pipeline).with_options("layout", head_proj=False)
-                .with_options("attention-cleanup", assume_unmasked_rows=True))
-    return get_pipeline(pipeline) if pipeline in named_pipelines() else parse_pipeline(pipeline)
+    """A named pipeline (``htp-llm``), as its ``quantized`` variant runs
+    (:data:`qnnpasses.passmanager.named.VARIANTS`), or a textual one (``fix-shapes,simplify,...``)."""
+    return get_pipeline(pipeline, "quantized") if pipeline in named_pipelines() else parse_pipeline(pipeline)
 
 
 def ensure_pipeline(ir: IRModel, *, pipeline: str = "htp-llm", shapes: dict[str, list[int]] | None = None) -> PrepResult:
