@@ -34,7 +34,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.attention import find_score_region
-from qnnpasses.ir.read import DATA_FIRST_OPS, numpy_dtype
+from qnnpasses.ir.read import DATA_FIRST_OPS, numpy_dtype, producer, producer_inputs, readers_outputs, walk
 
 _FLOAT = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 
@@ -113,44 +113,29 @@ def cache_inputs(graph: gs.Graph) -> list[gs.Tensor]:
     """Float rank-4 graph inputs that reach an attention product (a MatMul of two activations)
     within :data:`_WALK_LIMIT` ops, none of them a MatMul or Gemm: the KV cache of a dynamic
     export (through its Concat) and of a static pair (through casts, transposes, head repeats)."""
-    found = []
-    for tensor in graph.inputs:
-        if not (_is_float(tensor) and tensor.shape is not None and len(tensor.shape) == 4):
-            continue
-        seen, queue = set(), deque([(tensor, 0)])
-        while queue:
-            current, depth = queue.popleft()
-            if id(current) in seen or depth > _WALK_LIMIT:
-                continue
-            seen.add(id(current))
-            nodes = current.outputs
-            if any(n.op == "MatMul" and not any(isinstance(t, gs.Constant) for t in n.inputs) for n in nodes):
-                found.append(tensor)
-                break
-            queue.extend((t, depth + 1) for n in nodes if n.op not in ("MatMul", "Gemm") for t in n.outputs)
-    return found
+    def step(t: gs.Tensor) -> list[gs.Tensor]:
+        return readers_outputs(t, skip=("MatMul", "Gemm"))
+
+    def product(node: gs.Node) -> bool:
+        return node.op == "MatMul" and not any(isinstance(t, gs.Constant) for t in node.inputs)
+
+    return [tensor for tensor in graph.inputs
+            if _is_float(tensor) and tensor.shape is not None and len(tensor.shape) == 4
+            and any(product(n) for t, _ in walk([tensor], step, _WALK_LIMIT) for n in t.outputs)]
 
 
 def _cache_reached(tensor: gs.Tensor, presents: dict[int, CacheEntry]) -> list[CacheEntry]:
     """The cache entries whose present (past + new) ``tensor`` is computed from, walking back through
     the ops between a cache and an attention MatMul operand (repeat_kv, transposes, scales; never
     across another MatMul, whose output is a new projection)."""
-    found, seen, queue = [], set(), deque([(tensor, 0)])
-    while queue:
-        current, depth = queue.popleft()
-        if id(current) in seen or depth > _WALK_LIMIT:
-            continue
-        seen.add(id(current))
-        entry = presents.get(id(current))
-        if entry is not None:
-            found.append(entry)
-            continue
-        node = current.inputs[0] if current.inputs else None
-        if node is None or node.op in ("MatMul", "Gemm", "Softmax", "Shape", "Size"):
-            continue
+    def step(t: gs.Tensor) -> list[gs.Tensor]:
+        node = producer(t)
+        if id(t) in presents or node is None or node.op in ("MatMul", "Gemm", "Softmax", "Shape", "Size"):
+            return []
         data = node.inputs[:1] if node.op in DATA_FIRST_OPS else node.inputs
-        queue.extend((t, depth + 1) for t in data if t is not None and not isinstance(t, gs.Constant))
-    return found
+        return [x for x in data if not isinstance(x, gs.Constant)]
+
+    return [presents[id(t)] for t, _ in walk([tensor], step, _WALK_LIMIT) if id(t) in presents]
 
 
 def _classify(graph: gs.Graph, entries: list[CacheEntry]) -> list[str]:
@@ -289,20 +274,18 @@ def _check_names(found: dict[str, str | None], inputs: dict[str, gs.Tensor]) -> 
 def _tables(tensor: gs.Tensor) -> list[gs.Constant]:
     """Float rank-2 constant tables whose rows are gathered at ``tensor``'s values (through
     Cast/Reshape-like index moves)."""
-    found, queue, seen = [], deque([tensor]), set()
-    while queue:
-        current = queue.popleft()
+    def step(t: gs.Tensor) -> list[gs.Tensor]:
+        return [out for node in t.outputs if node.inputs and node.inputs[0] is t
+                and (node.op in _INDEX_MOVES or (node.op == "Concat" and len(node.inputs) == 1)) for out in node.outputs]
+
+    found = []
+    for current, _ in walk([tensor], step):
         for node in current.outputs:
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node.op == "Gather" and node.inputs[1] is current and int(node.attrs.get("axis", 0)) == 0:
-                table = node.inputs[0]
-                if isinstance(table, gs.Constant) and len(table.shape) == 2 and _is_float(table):
-                    found.append(table)
-            elif node.op in _INDEX_MOVES or (node.op == "Concat" and len(node.inputs) == 1):
-                if node.inputs and node.inputs[0] is current:
-                    queue.extend(node.outputs)
+            table = node.inputs[0]
+            if (node.op == "Gather" and node.inputs[1] is current and int(node.attrs.get("axis", 0)) == 0
+                    and isinstance(table, gs.Constant) and len(table.shape) == 2 and _is_float(table)
+                    and all(t is not table for t in found)):
+                found.append(table)
     return found
 
 
@@ -376,19 +359,10 @@ def embedding_indices(candidates: list[gs.Tensor]) -> gs.Tensor | None:
 def feeds_rotary(tensor: gs.Tensor, limit: int = 16) -> bool:
     """Whether a Cos or Sin is computed from ``tensor``'s values within ``limit`` nodes (any op
     but Shape/Size, which read only its shape)."""
-    seen, queue = set(), deque([(tensor, 0)])
-    while queue:
-        current, depth = queue.popleft()
-        for node in current.outputs:
-            if id(node) in seen or depth > limit:
-                continue
-            seen.add(id(node))
-            if node.op in ("Cos", "Sin"):
-                return True
-            if node.op in ("Shape", "Size"):
-                continue
-            queue.extend((out, depth + 1) for out in node.outputs)
-    return False
+    def step(t: gs.Tensor) -> list[gs.Tensor]:
+        return readers_outputs(t, skip=("Shape", "Size"))
+
+    return any(n.op in ("Cos", "Sin") for t, _ in walk([tensor], step, limit) for n in t.outputs)
 
 
 _INDEX_MOVES = ("Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand")
@@ -397,19 +371,10 @@ _INDEX_MOVES = ("Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten"
 def value_inputs(tensor: gs.Tensor, limit: int = 48) -> set[str]:
     """Names of the graph inputs whose *values* ``tensor`` is computed from (Shape/Size read only a
     shape and are not followed)."""
-    found, seen, queue = set(), set(), deque([(tensor, 0)])
-    while queue:
-        current, depth = queue.popleft()
-        node = current.inputs[0] if current.inputs else None
-        if node is None:
-            if not isinstance(current, gs.Constant):
-                found.add(current.name)
-            continue
-        if id(node) in seen or depth > limit or node.op in ("Shape", "Size"):
-            continue
-        seen.add(id(node))
-        queue.extend((t, depth + 1) for t in node.inputs if t is not None and t.name)
-    return found
+    def step(t: gs.Tensor) -> list[gs.Tensor]:
+        return producer_inputs(t, skip=("Shape", "Size"))
+
+    return {t.name for t, _ in walk([tensor], step, limit) if producer(t) is None and not isinstance(t, gs.Constant)}
 
 
 def rotary_gathers(graph: gs.Graph) -> list[gs.Node]:

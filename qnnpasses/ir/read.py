@@ -1,4 +1,4 @@
-"""Reading a graphsurgeon graph: producers, constant values, static shapes, axes.
+"""Reading a graphsurgeon graph: producers, walks, constant values, static shapes, axes.
 
 One set of read-only helpers for everything that looks at a graph (role finding, the
 attention recognizer, passes, lint).  Nothing here mutates a graph or a constant array.
@@ -6,7 +6,8 @@ attention recognizer, passes, lint).  Nothing here mutates a graph or a constant
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import deque
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -38,6 +39,35 @@ def single_consumer(tensor: gs.Tensor, graph: gs.Graph | None = None) -> gs.Node
     if graph is not None and tensor in graph.outputs:
         return None
     return tensor.outputs[0]
+
+
+def walk(start: Iterable[gs.Tensor], step: Callable[[gs.Tensor], Iterable[gs.Tensor]],
+         limit: int | None = None) -> Iterator[tuple[gs.Tensor, int]]:
+    """Breadth-first from ``start``: every tensor once, with its depth, at most ``limit`` steps out;
+    ``step`` gives the tensors one step on (forward: the outputs of a tensor's readers; backward:
+    its producer's inputs).  The caller stops where it has found what it looks for."""
+    seen, queue = set(), deque((t, 0) for t in start)
+    while queue:
+        tensor, depth = queue.popleft()
+        if id(tensor) in seen or (limit is not None and depth > limit):
+            continue
+        seen.add(id(tensor))
+        yield tensor, depth
+        queue.extend((t, depth + 1) for t in step(tensor) if t is not None)
+
+
+def readers_outputs(tensor: gs.Tensor, skip: Container[str] = ()) -> list[gs.Tensor]:
+    """A forward :func:`walk` step: the outputs of the nodes reading ``tensor`` (ops in ``skip`` not followed)."""
+    return [out for node in tensor.outputs if node.op not in skip for out in node.outputs]
+
+
+def producer_inputs(tensor: gs.Tensor, skip: Container[str] = ()) -> list[gs.Tensor]:
+    """A backward :func:`walk` step: the computed (non-constant) inputs of ``tensor``'s producer
+    (none when its op is in ``skip``)."""
+    node = producer(tensor)
+    if node is None or node.op in skip:
+        return []
+    return [t for t in node.inputs if t.name and not isinstance(t, gs.Constant)]
 
 
 def constant_value(tensor: gs.Tensor | None, *, through_identity: bool = False) -> np.ndarray | None:
