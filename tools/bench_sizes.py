@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""What `qnnpasses llm` costs at the sizes users ship: time, memory and bytes at context 4096.
+
+For each shape below (the published configs of Qwen2.5-0.5B, Llama-3.2-1B and Qwen2.5-1.5B,
+embeddings tied as in the originals) a random-init model is built with transformers' defaults
+(sdpa attention, float32) and exported the way users export a decoder with a KV cache:
+TorchScript, ``dynamo=False``, a dynamic past (``tools/decoder_matrix.py``'s wrapper and axes).
+Exports are cached under ``~/.cache/qnnpasses/sizes``.  Then ``qnnpasses llm EXPORT --context C
+--prefill P`` runs in a child process, and the tool records:
+
+* wall seconds of the build;
+* memory: the build's own sampled peak of private memory (``report.json``'s ``memory``), the
+  kernel's peak resident set of the build process and of its largest child (an HTP compile or
+  probe), all against the export's weight bytes;
+* bytes: the bundle on disk (every file the build wrote), what the device must hold (compiled
+  contexts and KV cache, ``report.json``'s ``device``), the model's unique parameter bytes in
+  the bundle's weight dtype, and the bytes one decode step reads.
+
+Figures go to ``docs/bench_sizes.json`` (one entry per shape, precision, context and prefill,
+merged with earlier runs) and ``docs/bench_sizes.md``, written from the JSON.
+
+    python tools/bench_sizes.py --shapes qwen2.5-0.5b                   # fp16, context 4096
+    python tools/bench_sizes.py --shapes qwen2.5-0.5b --precision w4a16
+    python tools/bench_sizes.py --doc-only                              # rewrite the .md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("QNNPASSES_CACHE", Path.home() / ".cache" / "qnnpasses")) / "sizes"
+DOC_JSON, DOC_MD = ROOT / "docs" / "bench_sizes.json", ROOT / "docs" / "bench_sizes.md"
+
+# (model_type, config) from the published config.json of each model.
+SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5, head_dim=64,
+                                   tie_word_embeddings=True,
+                                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                                        high_freq_factor=4.0, low_freq_factor=1.0,
+                                                        original_max_position_embeddings=8192))),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True)),
+}
+GIB = 1024 ** 3
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_path(shape: str) -> Path:
+    return CACHE / shape / "model.onnx"
+
+
+def export(shape: str) -> tuple[Path, dict]:
+    """The cached TorchScript export of ``shape`` (written on first use) and its parameter counts."""
+    path, facts_path = export_path(shape), export_path(shape).with_name("facts.json")
+    if path.exists() and facts_path.exists():
+        return path, json.loads(facts_path.read_text())
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import decoder_matrix as dm
+    import export_fixtures as ef
+
+    family, config = SHAPES[shape]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).eval()
+    unique = {id(p): p for p in model.parameters()}
+    facts = {"model_type": family, "parameters": sum(p.numel() for p in unique.values()),
+             "tied_embedding": bool(model.config.tie_word_embeddings),
+             "attn_implementation": model.config._attn_implementation}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wrapper = ef.ExportWrapper(model, dm.kv_spec(model)).eval()
+    prompt = torch.randint(10, config["vocab_size"], (1, dm.PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    inputs, outputs = dm.example_io(model, prompt)
+    started = time.perf_counter()
+    with ef.quiet(), torch.no_grad():
+        ef.export_ts(wrapper, inputs, outputs, path, dm.ts_axes(inputs, outputs))
+    facts["export_seconds"] = round(time.perf_counter() - started, 1)
+    facts_path.write_text(json.dumps(facts, indent=1) + "\n")
+    return path, facts
+
+
+def weight_bytes_on_disk(onnx_path: Path) -> int:
+    """Bytes of the export's weights: every file beside the graph plus the graph file."""
+    return sum(p.stat().st_size for p in onnx_path.parent.iterdir() if p.is_file() and p.name != "facts.json")
+
+
+# --------------------------------------------------------------------------- build
+
+
+def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision: str,
+          compile_: bool) -> dict:
+    """Run ``qnnpasses llm`` in a child; wall time, the kernel's peak RSS of the child tree."""
+    command = [sys.executable, "-c", "import sys; from qnnpasses.cli import main; sys.exit(main())", "llm",
+               str(onnx_path), "--out-dir", str(out_dir), "--context", str(context), "--prefill", str(prefill),
+               "--precision", precision, "--format", "json"]
+    if not compile_:
+        command.append("--no-compile")
+    started = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    run = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    result = {"exit": run.returncode, "wall_seconds": round(wall, 1),
+              "tree_resident_peak_bytes": peak if peak > before * 1024 else None}
+    if run.returncode != 0:
+        result["error"] = (run.stderr.strip().splitlines() or ["?"])[-1]
+    return result
+
+
+def bundle_figures(out_dir: Path) -> dict:
+    report = json.loads((out_dir / "report.json").read_text())
+    files = {p.name: p.stat().st_size for p in out_dir.iterdir() if p.is_file()}
+    device = report.get("device") or {}
+    return {"bundle_bytes": sum(files.values()), "files": files, "memory": report.get("memory"),
+            "device": {k: device.get(k) for k in ("device_bytes", "kv_cache_bytes", "decode_step_read_bytes",
+                                                  "weights_from", "target", "decode_tokens_per_second_ceiling")},
+            "graph_weight_bytes": {name: g.get("weight_bytes") for name, g in (device.get("graphs") or {}).items()},
+            "seconds": report.get("seconds")}
+
+
+def measure(shape: str, context: int, prefill: int, precision: str, compile_: bool, keep: Path | None) -> dict:
+    onnx_path, facts = export(shape)
+    entry = {"shape": shape, "precision": precision, "context": context, "prefill": prefill, "compiled": compile_,
+             **facts, "export_bytes": weight_bytes_on_disk(onnx_path)}
+    with tempfile.TemporaryDirectory(prefix="bench_sizes.") as tmp:
+        out_dir = keep or Path(tmp) / "bundle"
+        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_))
+        if entry["exit"] == 0:
+            entry.update(bundle_figures(out_dir))
+    return entry
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def key(entry: dict) -> tuple:
+    return (entry["shape"], entry["precision"], entry["context"], entry["prefill"], entry["compiled"])
+
+
+def merge(entries: list[dict]) -> dict:
+    doc = json.loads(DOC_JSON.read_text()) if DOC_JSON.exists() else {"entries": []}
+    fresh = {key(e): e for e in entries}
+    doc["entries"] = [e for e in doc["entries"] if key(e) not in fresh] + list(fresh.values())
+    doc["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    return doc
+
+
+def gib(value) -> str:
+    return f"{value / GIB:.2f}" if value else "-"
+
+
+def write_markdown(doc: dict) -> str:
+    lines = ["# Real model sizes: time, memory and bytes of `qnnpasses llm`", "",
+             "Written by `python tools/bench_sizes.py` from `docs/bench_sizes.json`.  Random-init models with "
+             "the published shapes (tied embeddings as in the originals), transformers' default attention, "
+             "exported by TorchScript with a dynamic KV cache, float32.  Peak memory: the build's sampled "
+             f"private memory and the kernel's resident peak of the whole build (largest process); "
+             f"{doc['machine']['cpus']} CPUs.  GiB throughout.", "",
+             "| shape | params | precision | context / prefill | compiled | wall min | export GiB | private peak "
+             "| resident peak | peak / export | bundle GiB | device GiB | params GiB (fp16) | decode step reads |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in sorted(doc["entries"], key=key):
+        if e["exit"] != 0:
+            lines.append(f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / "
+                         f"{e['prefill']} | {'yes' if e['compiled'] else 'no'} | {e['wall_seconds'] / 60:.1f} | "
+                         f"{gib(e['export_bytes'])} | failed: {e.get('error', '?')} | | | | | | |")
+            continue
+        memory, device = e.get("memory") or {}, e.get("device") or {}
+        resident = max(filter(None, [memory.get("resident_peak_bytes"), e.get("tree_resident_peak_bytes")]), default=0)
+        lines.append(
+            f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / {e['prefill']} | "
+            f"{'yes' if e['compiled'] else 'no'} | {e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | "
+            f"{gib(memory.get('private_peak_bytes'))} | {gib(resident)} | "
+            f"{resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {gib(device.get('device_bytes'))} | "
+            f"{gib(e['parameters'] * 2)} | {gib(device.get('decode_step_read_bytes'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["qwen2.5-0.5b"])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--precision", choices=("fp16", "w8a16", "w4a16"), default="fp16")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--keep", type=Path, help="write the bundle here instead of a temporary folder")
+    parser.add_argument("--doc-only", action="store_true", help="rewrite docs/bench_sizes.md from the JSON")
+    args = parser.parse_args(argv)
+    if not args.doc_only:
+        entries = []
+        for shape in args.shapes:
+            entry = measure(shape, args.context, args.prefill, args.precision, not args.no_compile, args.keep)
+            print(json.dumps({k: v for k, v in entry.items() if k != "files"}), flush=True)
+            entries.append(entry)
+        DOC_JSON.write_text(json.dumps(merge(entries), indent=1) + "\n")
+    DOC_MD.write_text(write_markdown(json.loads(DOC_JSON.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
