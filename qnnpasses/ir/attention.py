@@ -358,4 +358,3 @@ def find_attentions(graph: gs.Graph, reasons: list[str] | None = None) -> list[A
         else:
             found.append(att)
     return found
-

@@ -34,7 +34,7 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.attention import find_score_region
-from qnnpasses.ir.read import DATA_FIRST_OPS, numpy_dtype, producer, producer_inputs, readers_outputs, walk
+from qnnpasses.ir.read import DATA_FIRST_OPS, is_constant, numpy_dtype, producer, producer_inputs, readers_outputs, walk
 
 _FLOAT = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 
@@ -90,8 +90,7 @@ def _through_identities(tensor: gs.Tensor) -> list[gs.Node]:
     return found
 
 
-def cache_entries(graph: gs.Graph) -> list[CacheEntry]:
-    """Past inputs that a Concat joins with a computed tensor into a graph output (a dynamic cache)."""
+def _cache_entries(graph: gs.Graph) -> list[CacheEntry]:
     outputs = {id(t) for t in graph.outputs}
     entries = []
     for tensor in graph.inputs:
@@ -117,7 +116,7 @@ def cache_inputs(graph: gs.Graph) -> list[gs.Tensor]:
         return readers_outputs(t, skip=("MatMul", "Gemm"))
 
     def product(node: gs.Node) -> bool:
-        return node.op == "MatMul" and not any(isinstance(t, gs.Constant) for t in node.inputs)
+        return node.op == "MatMul" and not any(is_constant(t) for t in node.inputs)
 
     return [tensor for tensor in graph.inputs
             if _is_float(tensor) and tensor.shape is not None and len(tensor.shape) == 4
@@ -161,7 +160,7 @@ def _classify(graph: gs.Graph, entries: list[CacheEntry]) -> list[str]:
 def find_roles(graph: gs.Graph, given: dict[str, str] | None = None) -> Roles:
     """The roles of ``graph``'s inputs and outputs; BadInputError when it has no KV cache, when a
     role is ambiguous, or when structure and names disagree (``given``: roles named by the user)."""
-    entries = cache_entries(graph)
+    entries = _cache_entries(graph)
     if not entries:
         raise BadInputError("no KV cache: no float rank-4 input is concatenated into a graph output")
     reasons = _classify(graph, entries)

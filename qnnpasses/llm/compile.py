@@ -5,10 +5,10 @@ graphs in one QNN context whose weights are stored once: session config
 ``ep.share_ep_contexts=1`` on every session of the group (``ep.stop_share_ep_contexts=1`` on
 the last) and the provider option ``enable_htp_weight_sharing=1``, with the binary beside the
 models (``ep.context_embed_mode=0``).  Whether a *session* on such a pair then works is a
-property of the onnxruntime-qnn build (the process can crash creating one).  So the shared pair is compiled and then run in
-a child process; if that child fails in any way, the shared files are deleted and every graph
-is compiled to its own context (``separate``, binary embedded).  The outcome and the reason
-go to the manifest and the report.
+property of the onnxruntime-qnn build (the process can crash creating one).  So the shared
+pair is compiled and then run in a child process; if that child fails in any way, the shared
+files are deleted and every graph is compiled to its own context (``separate``, binary
+embedded).  The outcome and the reason go to the manifest and the report.
 
 Sessions that compile or probe a graph run with onnxruntime's graph optimizations disabled:
 the HTP gets exactly the graph ``htp-llm`` wrote.  (onnxruntime's MatMulAddFusion otherwise
