@@ -15,7 +15,8 @@ from conftest import fixture_path, requires_htp
 from qnnpasses.backends.cpu import run_cpu
 from qnnpasses.ir.load import load_model
 from qnnpasses.llm import convert
-from qnnpasses.passes.attention.rotary_table import _cone_model, find_cones
+from qnnpasses.ir.evaluate import subgraph_model
+from qnnpasses.passes.attention.rotary_table import find_cones
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.spec import parse_pipeline
 
@@ -104,7 +105,7 @@ def test_on_the_htp_in_fp16_table_rows_keep_the_angles_that_computed_ones_lose()
 
     ir = _decode_graph()
     cone = find_cones(ir.graph)[0]
-    computed = _cone_model(ir.graph, cone).SerializeToString()
+    computed = subgraph_model(ir.graph, cone.nodes, [cone.positions], [n.outputs[0] for n in cone.trig]).SerializeToString()
     _rotary_table(ir, CONTEXT)
     gathers = [n for n in ir.graph.nodes if n.op == "Gather" and n.inputs[1].name == "position_ids"]
     h = onnx.helper

@@ -32,11 +32,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from qnnpasses.ir.graph_ops import graph_opsets, toposort
+from qnnpasses.ir.evaluate import subgraph_session
+from qnnpasses.ir.graph_ops import toposort
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
     CASE_EXTREME,
@@ -115,31 +114,8 @@ def find_cones(graph: gs.Graph) -> list[_Cone]:
     return list(cones.values())
 
 
-def _cone_model(graph: gs.Graph, cone: _Cone) -> onnx.ModelProto:
-    order = {id(n): i for i, n in enumerate(graph.nodes)}  # the graph is topologically sorted
-    nodes = sorted(cone.nodes, key=lambda n: order[id(n)])
-    constants: dict[str, gs.Constant] = {}
-    for node in nodes:
-        for tensor in node.inputs:
-            if isinstance(tensor, gs.Constant) and tensor.name:
-                constants[tensor.name] = tensor
-    p = cone.positions
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [OnnxExporter.export_node(n) for n in nodes], "rotary_table",
-            [onnx.helper.make_tensor_value_info(p.name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(p.dtype)),
-                                                list(p.shape))],
-            [onnx.ValueInfoProto(name=n.outputs[0].name) for n in cone.trig],
-            initializer=[OnnxExporter.export_tensor_proto(c) for c in constants.values()]),
-        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in graph_opsets(graph).items()])
-    model.ir_version = 10  # what onnxruntime reads for every opset an export uses (up to 22)
-    return model
-
-
 def tables(graph: gs.Graph, cone: _Cone, positions: int) -> tuple[list[np.ndarray] | None, str]:
     """One ``[positions, d]`` table per Cos/Sin of ``cone``, or why not."""
-    import onnxruntime as ort
-
     shape = static_shape(cone.positions)
     outs = [static_shape(n.outputs[0]) for n in cone.trig]
     if shape is None or any(o is None for o in outs):
@@ -152,10 +128,7 @@ def tables(graph: gs.Graph, cone: _Cone, positions: int) -> tuple[list[np.ndarra
     itemsize = max(np.dtype(n.outputs[0].dtype or np.float32).itemsize for n in cone.trig)
     if positions * max(o[-1] for o in outs) * itemsize * len(outs) > MAX_TABLE_BYTES:
         return None, f"tables for {positions} positions would exceed {MAX_TABLE_BYTES} bytes"
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(_cone_model(graph, cone).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    session = subgraph_session(graph, cone.nodes, [cone.positions], [n.outputs[0] for n in cone.trig], "rotary_table")
     dtype = np.dtype(cone.positions.dtype)
     rows: list[list[np.ndarray]] = [[] for _ in outs]
     for start in range(0, positions, width):
