@@ -65,6 +65,19 @@ def dequantize_scale(model: onnx.ModelProto, tensor: str) -> float:
     raise AssertionError(f"no (De)QuantizeLinear at {tensor}")
 
 
+def graph_io(model: onnx.ModelProto):
+    """The graph's inputs and outputs by name, and readers of a tensor's dims and element type."""
+    io = {v.name: v for v in [*model.graph.input, *model.graph.output]}
+
+    def shape(name: str) -> list[int]:
+        return [d.dim_value for d in io[name].type.tensor_type.shape.dim]
+
+    def dtype(name: str) -> int:
+        return io[name].type.tensor_type.elem_type
+
+    return io, shape, dtype
+
+
 def test_graphs_hold_the_cache_as_the_runtimes_take_it(bundle):
     manifest = json.loads((bundle / "llm.json").read_text())
     assert manifest["kv_layout"] == {"key": "HBDS", "value": "HBSD"} and manifest["kv_dtype"] == "uint8"
@@ -73,14 +86,7 @@ def test_graphs_hold_the_cache_as_the_runtimes_take_it(bundle):
     scales = {}
     for name, tokens in (("prefill", PREFILL), ("decode", 1)):
         model = onnx.load(str(bundle / f"{name}.onnx"))
-        io = {v.name: v for v in [*model.graph.input, *model.graph.output]}
-
-        def shape(n):
-            return [d.dim_value for d in io[n].type.tensor_type.shape.dim]
-
-        def dtype(n):
-            return io[n].type.tensor_type.elem_type
-
+        io, shape, dtype = graph_io(model)
         past = CONTEXT - tokens
         assert {"input_ids", "attention_mask", "position_ids", "logits"} <= set(io)
         assert shape("attention_mask") == [1, CONTEXT] and shape("position_ids") == [1, tokens]

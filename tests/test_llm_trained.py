@@ -180,3 +180,34 @@ def test_smollm2_genai_bundle_runs_in_onnxruntime_genai(smollm2_genai_bundle, ca
     agree = [float((runner.score(list(w[:16]), list(w[16:])).argmax(-1) == reference.logits(list(w)).argmax(-1)).mean())
              for w in windows.tolist()]
     assert np.mean(agree) >= 0.95, agree
+
+
+# --------------------------------------------------------------------------- Genie's bundle
+
+
+@pytest.fixture(scope="module")
+def smollm2_genie_bundle(tmp_path_factory):
+    """The same folder as a compiled ``--bundle genie`` (Genie's inputs, uint8 cache, context binaries)."""
+    record, folder = _hf_folder()
+    from qnnpasses.llm.convert import build
+
+    out = tmp_path_factory.mktemp("smollm2_genie") / "bundle"
+    build(folder, out, context=CONTEXT, prefill=PREFILL, compile=True, probe=False, bundle="genie")
+    return out, record["exports"][tf.HF_EXPORTER]["text"]
+
+
+def test_smollm2_genie_bundle_runs_in_genie(smollm2_genie_bundle, capsys):
+    """Genie itself (libGenie.so, simulated HTP) generates transformers' tokens from the text prompt,
+    and exactly what our runner generates from the same context binaries (docs/llm_bundles.md)."""
+    from qnnpasses.llm.genie import library_path
+
+    if library_path() is None:
+        pytest.skip("libGenie.so is not installed (it ships in the onnxruntime-qnn wheel)")
+    bundle, hf = smollm2_genie_bundle
+    args = ["--prompt", hf["prompt"], "--max-new-tokens", 32, "--on", "htp"]
+    ours = _generate(capsys, bundle, *args)
+    genie = _generate(capsys, bundle, *args, "--runtime", "genie")
+    # Genie ends at the end of sequence without handing that token over
+    assert ours["prompt_ids"] == hf["prompt_ids"] and ours["stopped"] == genie["stopped"] == "eos"
+    assert genie["tokens"] == ours["tokens"][:-1] and "Paris" in genie["text"]
+    assert _leading(genie["tokens"], hf["greedy"]) >= min(30, len(hf["greedy"])) - 1, (genie["tokens"], hf["greedy"])

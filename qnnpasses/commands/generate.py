@@ -37,9 +37,11 @@ def register(subparsers) -> None:
     parser.add_argument("--on", choices=("htp", "cpu"), default="htp",
                         help="htp: the compiled context models (else the .onnx graphs) on the QNN HTP backend, "
                              "CPU fallback disabled; cpu: the .onnx graphs on onnxruntime CPU")
-    parser.add_argument("--runtime", choices=("qnnpasses", "onnxruntime-genai"), default="qnnpasses",
+    parser.add_argument("--runtime", choices=("qnnpasses", "onnxruntime-genai", "genie"), default="qnnpasses",
                         help="qnnpasses (default): our runner, from llm.json; onnxruntime-genai: onnxruntime-genai "
-                             "itself on a bundle built with --bundle genai (its CPU provider: --on cpu)")
+                             "itself on a bundle built with --bundle genai (its CPU provider: --on cpu); genie: "
+                             "Genie itself (libGenie.so from onnxruntime-qnn) on a compiled --bundle genie "
+                             "(the HTP: --on htp)")
     parser.add_argument("--compare", metavar="ORIGINAL",
                         help="also run the original dynamic-KV export (a .onnx file or the folder holding it) greedily "
                              "on onnxruntime CPU (fp32) on the same prompt: identical leading tokens and "
@@ -103,7 +105,10 @@ def _check_args(args, sampling: Any) -> None:
     if args.runtime == "onnxruntime-genai" and args.on != "cpu":
         raise BadInputError("--runtime onnxruntime-genai runs on --on cpu here: onnxruntime-genai's PyPI wheels "
                             "have no QNN provider (on the device, genai_config.json selects it)")
-    if args.runtime == "onnxruntime-genai" and args.compare:
+    if args.runtime == "genie" and args.on != "htp":
+        raise BadInputError("--runtime genie runs on --on htp (Genie's engine drives the HTP; --runtime qnnpasses "
+                            "--on cpu runs the same graphs on the CPU)")
+    if args.runtime != "qnnpasses" and args.compare:
         raise BadInputError("--compare works with --runtime qnnpasses")
 
 
@@ -158,8 +163,8 @@ def main(args) -> int:
         stream = StreamDecoder(text) if text is not None and args.format == "text" else None
         on_token = (lambda token: _write(stream.push(token))) if stream is not None else None
         stop = [] if args.ignore_eos or text is None else runner.manifest["tokenizer"]["eos_token_ids"]
-        if args.runtime == "onnxruntime-genai":
-            result = _genai_generation(runner, prompt, args.max_new_tokens, stop, sampling, on_token)
+        if args.runtime != "qnnpasses":
+            result = _runtime_generation(args.runtime, runner, prompt, args.max_new_tokens, stop, sampling, on_token)
         else:
             result = runner.generate(prompt, args.max_new_tokens, choose=Sampler(sampling), stop_ids=stop,
                                      on_token=on_token)
@@ -182,23 +187,26 @@ def main(args) -> int:
     return 0
 
 
-def _genai_generation(runner: Any, prompt: list[int], max_new_tokens: int, stop: list[int], sampling: Any,
-                      on_token: Any) -> Any:
-    """The tokens onnxruntime-genai generates from the bundle, as a Generation (its own loop and cache)."""
-    from qnnpasses.llm.genai import GenaiError, generate
+def _runtime_generation(runtime: str, runner: Any, prompt: list[int], max_new_tokens: int, stop: list[int],
+                        sampling: Any, on_token: Any) -> Any:
+    """The tokens another runtime (onnxruntime-genai, Genie) generates from the bundle, as a Generation
+    (its own loop and cache)."""
+    from qnnpasses.llm import genai, genie
     from qnnpasses.llm.runner import Generation
 
+    module, error = (genai, genai.GenaiError) if runtime == "onnxruntime-genai" else (genie, genie.GenieError)
     try:
-        out = generate(runner.manifest["dir"], runner.manifest, prompt, max_new_tokens, stop_ids=stop,
-                       sampling=sampling, on_token=on_token)
-    except GenaiError as exc:
+        out = module.generate(runner.manifest["dir"], runner.manifest, prompt, max_new_tokens, stop_ids=stop,
+                              sampling=sampling, on_token=on_token)
+    except error as exc:
         raise BadInputError(str(exc)) from None
     tokens = out["tokens"]
-    stopped = "eos" if tokens and tokens[-1] in set(stop) else (
-        "max_new_tokens" if len(tokens) >= max_new_tokens else "context_full")
+    stopped = out.get("stopped") or ("eos" if tokens and tokens[-1] in set(stop) else (
+        "max_new_tokens" if len(tokens) >= max_new_tokens else "context_full"))
+    files = ({n: [b for p in g["parts"] for b in p.get("binaries") or []] for n, g in runner.manifest["graphs"].items()}
+             if runtime == "genie" else {n: [p["onnx"] for p in g["parts"]] for n, g in runner.manifest["graphs"].items()})
     return Generation(tokens=tokens, prompt_tokens=len(prompt), stopped=stopped, load_seconds=out["load_seconds"],
-                      decode_seconds=out["seconds"], on="cpu",
-                      files={n: [p["onnx"] for p in g["parts"]] for n, g in runner.manifest["graphs"].items()})
+                      decode_seconds=out["seconds"], on=runner.on, files=files)
 
 
 def _given_target(args) -> Any:

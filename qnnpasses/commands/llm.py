@@ -47,9 +47,11 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer-dir", "--tokenizer", dest="tokenizer", metavar="DIR",
                    help="folder with the model's tokenizer.json (+ tokenizer_config.json, generation_config.json), "
                         "copied into the bundle for 'generate --prompt' (default: the model's folder, when it has one)")
-    p.add_argument("--bundle", default="qnnpasses", choices=("qnnpasses", "genai"),
+    p.add_argument("--bundle", default="qnnpasses", choices=("qnnpasses", "genai", "genie"),
                    help="qnnpasses (default): our runner's bundle; genai: also an onnxruntime-genai model "
-                        "(genai_config.json, uint8 KV cache with the key transposed, plain logits)")
+                        "(genai_config.json, uint8 KV cache with the key transposed, plain logits); genie: also a "
+                        "Genie bundle (context binaries, genie_config.json, htp_backend_ext_config.json; the graphs "
+                        "take Genie's inputs)")
     add_format_arg(p)
     p.set_defaults(func=main)
 

@@ -65,6 +65,7 @@ def _child(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", required=True, help="JSON list of [model, compiled] paths")
     parser.add_argument("--result", required=True)
     parser.add_argument("--separate", action="store_true", help="one context per model, embedded")
+    parser.add_argument("--external", action="store_true", help="with --separate: each binary in its own file")
     parser.add_argument("--int", dest="fp16", action="store_false", help="integer precision (QDQ models)")
     args = parser.parse_args(argv)
     pairs = json.loads(args.pairs)
@@ -80,7 +81,7 @@ def _child(argv: list[str] | None = None) -> int:
         options = base if args.separate else {**base, **SHARE_OPTIONS}
         if args.mode == "compile":
             config = {**shared, "ep.context_enable": "1", "ep.context_file_path": compiled,
-                      "ep.context_embed_mode": "1" if args.separate else "0"}
+                      "ep.context_embed_mode": "1" if args.separate and not args.external else "0"}
             htp_session(model, fp16=args.fp16, extra_options=options, session_config=config, optimize=False)
         elif args.mode == "run":
             result["stage"] = "session"
@@ -107,11 +108,12 @@ def _child(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separate: bool = False) -> dict[str, Any]:
+def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separate: bool = False,
+               external: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="qnnpasses_llm_") as tmp:
         args = [mode, "--result", str(Path(tmp) / "result.json"),
                 "--pairs", json.dumps([[str(a), str(b)] for a, b in pairs])]
-        args += ([] if fp16 else ["--int"]) + (["--separate"] if separate else [])
+        args += ([] if fp16 else ["--int"]) + (["--separate"] if separate else []) + (["--external"] if external else [])
         child = run_child("qnnpasses.llm.compile", args, Path(tmp) / "result.json")
     result = child.result or {"ok": False, "done": []}
     if not child.ok:
@@ -138,8 +140,11 @@ def _remove(paths: list[Path]) -> None:
                 stale.unlink()
 
 
-def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_shared: bool = True) -> dict[str, Any]:
-    """Compile each ``(model, compiled)`` pair; one weight-shared context if that runs, else one each.
+def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_shared: bool = True,
+                   embed: bool = True) -> dict[str, Any]:
+    """Compile each ``(model, compiled)`` pair; one weight-shared context if that runs, else one each
+    (``embed``: each binary inside its EPContext model; else in a ``*_qnn.bin`` file beside it, which
+    is what Genie loads).
 
     Returns ``{"weight_sharing": "shared"|"separate", "shared_probe": {...}, "graphs": {name: summary}}``.
     """
@@ -161,12 +166,14 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
     from qnnpasses.progress import step
 
     step(f"compiling {len(pairs)} graph(s) into HTP context binaries")
-    result = _run_child("compile", pairs, fp16, separate=True)
+    result = _run_child("compile", pairs, fp16, separate=True, external=not embed)
     if not result.get("ok"):
         from qnnpasses.errors import CheckFailedError
 
         raise CheckFailedError(f"compiling for the HTP failed: {result.get('error')}")
     report["graphs"] = {b.name: context_summary(b) for b in targets}
+    if not embed:
+        report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
     return report
 
 

@@ -97,9 +97,12 @@ CPU_TOLERANCE = 1e-4
 CPU_RTOL = 1e-5
 _DTYPES = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.float32): "float32",
            np.dtype(np.float16): "float16", np.dtype(np.uint8): "uint8"}
-#: what ``qnnpasses llm`` writes: our own bundle (``llm.json``), or onnxruntime-genai's
-#: ``decoder-pipeline`` model (:mod:`qnnpasses.llm.genai`; the same graphs, with ``llm.json`` too)
-BUNDLES = ("qnnpasses", "genai")
+#: what ``qnnpasses llm`` writes: our own bundle (``llm.json``), onnxruntime-genai's
+#: ``decoder-pipeline`` model (:mod:`qnnpasses.llm.genai`) or a Genie bundle (:mod:`qnnpasses.llm.genie`);
+#: the latter two with ``llm.json`` too
+BUNDLES = ("qnnpasses", "genai", "genie")
+#: the bundles other runtimes load: a uint8 cache with the key transposed, plain logits
+FOREIGN = ("genai", "genie")
 
 
 @dataclass
@@ -141,10 +144,18 @@ def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
         raise BadInputError("the output folder must not be the input model's folder")
     if options.bundle not in BUNDLES:
         raise BadInputError(f"unknown bundle '{options.bundle}' (known: {', '.join(BUNDLES)})")
-    if options.bundle == "genai":
-        from qnnpasses.llm.genai import check_request
+    if options.bundle in FOREIGN:
+        _bundle_module(options.bundle).check_request(options.context, options.prefill, options.precision)
+    if options.bundle == "genie" and (options.parts is not None or options.max_part_bytes is not None):
+        raise BadInputError("--bundle genie cannot be split yet: Genie orders a graph's parts by their graph names, "
+                            "which onnxruntime-qnn does not let us choose")
 
-        check_request(options.context, options.prefill, options.precision)
+
+def _bundle_module(bundle: str):
+    """The module that writes ``bundle``'s form (:data:`FOREIGN`)."""
+    from qnnpasses.llm import genai, genie
+
+    return {"genai": genai, "genie": genie}[bundle]
 
 
 def _static_dim(dim) -> int | None:
@@ -282,7 +293,9 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     one); its files are copied into ``out_dir`` and the manifest records the special ids.
     ``cache_fp16``: an fp16 pair takes and gives its KV cache in float16 (the HTP's dtype,
     :mod:`qnnpasses.llm.cache_dtype`); false keeps float32.  ``bundle``: ``genai`` writes the
-    pair as onnxruntime-genai's model (:mod:`qnnpasses.llm.genai`: uint8 cache, plain logits).
+    pair as onnxruntime-genai's model (:mod:`qnnpasses.llm.genai`: uint8 cache, plain logits),
+    ``genie`` as a Genie bundle (:mod:`qnnpasses.llm.genie`: the same cache, Genie's inputs,
+    context binaries in their own files).
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
@@ -300,8 +313,9 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
             check_tokenizer(text_dir, int(roles.vocab))
     except TokenizerError as exc:
         raise BadInputError(str(exc)) from None
-    if options.bundle == "genai" and text_dir is None:
-        raise BadInputError("--bundle genai needs the model's tokenizer.json (a model folder or --tokenizer-dir DIR)")
+    if options.bundle in FOREIGN and text_dir is None:
+        raise BadInputError(f"--bundle {options.bundle} needs the model's tokenizer.json (a model folder or "
+                            "--tokenizer-dir DIR)")
     left = sorted({n.op for n in source.graph.nodes if (n.domain or "") == "com.microsoft"})
     if left:  # e.g. MatMulNBits with accuracy_level=4: its lowering is lossy (htp-llm runs it only with --allow-lossy)
         raise BadInputError(f"the export keeps onnxruntime contrib ops that are not lowered losslessly: {', '.join(left)} "
@@ -342,7 +356,8 @@ def _remove_previous_pair(out_dir: Path) -> None:
     if not (out_dir / "llm.json").is_file():
         return
     for pattern in ("prefill*.onnx*", "decode*.onnx*", "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
-                    "report.md", "genai_config.json", TOKENIZER_FILE, *COMPANION_FILES):
+                    "report.md", "genai_config.json", "genie_config.json", "htp_backend_ext_config.json",
+                    TOKENIZER_FILE, *COMPANION_FILES):
         for path in out_dir.glob(pattern):
             if path.is_file():
                 path.unlink()
@@ -363,15 +378,15 @@ def _require_precision(precision: str) -> None:
 def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options: LlmOptions,
                 given: dict[str, str], text_dir: Path | None) -> tuple[dict, dict]:
     N, M = options.context, options.prefill
-    genai = options.bundle == "genai"
+    foreign = options.bundle in FOREIGN
     spec = {"prefill": (M, N - M), "decode": (1, N - 1)}
     graphs: dict[str, Any] = {}
     report: dict[str, Any] = {"source": model.name, "context": N, "prefill": M, "graphs": {}}
     irs = {}
     for name, (tokens, past) in spec.items():
         ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
-                                 logits_offset=options.logits_offset and not genai,
-                                 cache_fp16=options.cache_fp16 and not genai)
+                                 logits_offset=options.logits_offset and not foreign,
+                                 cache_fp16=options.cache_fp16 and not foreign)
         irs[name] = ir
         graph_role = graph_roles(ir, roles)
         path = save_model(ir, stage / f"{name}.onnx")
@@ -395,8 +410,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if text_dir is not None:
         manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
     report["verification"] = _verify(stage, manifest, model, options)
-    if genai:
-        report["bundle"] = _genai_form(stage, manifest, irs, model, options, text_dir)
+    if foreign:
+        report["bundle"] = _bundle_form(stage, manifest, irs, model, options, text_dir)
         report["bundle_verification"] = _verify(stage, manifest, model, options, tolerance=None)
     if options.precision != "fp16":
         from qnnpasses.llm.quantize import quantize_pair
@@ -408,7 +423,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
             entries = _split(stage, ir, name, manifest["graphs"][name], options)
             manifest["graphs"][name]["parts"] = entries
-        if genai:  # the 8-bit pair is measured, not bounded: its parts must measure what it measured
+        if foreign:  # the 8-bit pair is measured, not bounded: its parts must measure what it measured
             report["parts_verification"] = _same_as_whole(_verify(stage, manifest, model, options, tolerance=None),
                                                           report["bundle_verification"])
         else:
@@ -423,52 +438,95 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
 
         pairs = [(stage / p["onnx"], stage / p["onnx"].replace(".onnx", "_ctx.onnx"))
                  for name in spec for p in manifest["graphs"][name]["parts"]]
-        compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared)
+        # Genie loads the context binaries themselves: they stay files beside the EPContext models
+        compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared,
+                                  embed=options.bundle != "genie")
         for name in spec:
             for part in manifest["graphs"][name]["parts"]:
                 part["compiled"] = part["onnx"].replace(".onnx", "_ctx.onnx")
+                if options.bundle == "genie":
+                    part["binaries"] = compiled["graphs"][part["compiled"]].get("binaries", [])
         manifest["weight_sharing"] = compiled["weight_sharing"]
         report["compile"] = compiled
     from qnnpasses.llm.footprint import footprint
 
     manifest["device"] = report["device"] = footprint(stage, manifest, active_target())
     write_manifest(stage, manifest)
-    if genai:
+    if options.bundle == "genai":
         from qnnpasses.llm.genai import write_config
 
         write_config(stage, manifest)
+    if options.bundle == "genie":
+        report["bundle"].update(_genie_configs(stage, manifest))
     return manifest, report
 
 
-def _genai_form(stage: Path, manifest: dict[str, Any], irs: dict[str, IRModel], model: Path, options: LlmOptions,
-                text_dir: Path | None) -> dict[str, Any]:
-    """The verified float pair -> onnxruntime-genai's form (:mod:`qnnpasses.llm.genai`): a uint8
-    cache with the key transposed, scaled from the original's cache on calibration tokens, and the
-    bundle's I/O names; the graphs are rewritten in place and the manifest follows."""
+def _genie_configs(stage: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write the Genie configuration files and have Genie check them (when libGenie is installed)."""
+    from qnnpasses.llm.genie import library_path, validate_config, write_configs
+
+    config = write_configs(stage, manifest)[0]
+    if not all(p.get("binaries") for g in manifest["graphs"].values() for p in g["parts"]):
+        return {"genie_validation": "not compiled: genie_config.json lists no context binaries"}
+    if library_path() is None:
+        return {"genie_validation": "libGenie.so not installed"}
+    checked = validate_config(config)
+    if not checked.get("ok"):
+        raise CheckFailedError(f"Genie refuses the genie_config.json written: {checked.get('error')}")
+    return {"genie_validation": f"accepted by Genie API {checked.get('api')}"}
+
+
+def _bundle_form(stage: Path, manifest: dict[str, Any], irs: dict[str, IRModel], model: Path, options: LlmOptions,
+                 text_dir: Path | None) -> dict[str, Any]:
+    """The verified float pair -> the form another runtime loads (:data:`FOREIGN`): a uint8 cache
+    with the key transposed, scaled from the original's cache on calibration tokens, and the
+    bundle's I/O names; a Genie bundle also takes int32 ids, the rotary cos/sin and the whole mask
+    (:mod:`qnnpasses.llm.genie_io`) and keeps its cache left-aligned.  The graphs are rewritten in
+    place and the manifest follows."""
     from qnnpasses.llm.cache_dtype import store_cache_in_uint8
     from qnnpasses.llm.calibration import cache_scales, calibration_sequences
-    from qnnpasses.llm.genai import KV_LAYOUT, PAD_VALUE, check_model
     from qnnpasses.llm.io_names import rename_io
     from qnnpasses.llm.reference import ReferenceModel
 
-    check_model(manifest["sliding_window"])
+    form = _bundle_module(options.bundle)
+    form.check_model(manifest["sliding_window"])
     sequences, origin = calibration_sequences(manifest["vocab"], manifest["context"], options.calib,
                                               manifest["source_roles"]["input_ids"], text_dir)
     reference = ReferenceModel(model)
     encodings = cache_scales(reference, sequences, reference.past[:manifest["layers"]],
                              reference.past[manifest["layers"]:])
     scales = {kind: encodings[f"{kind}_scales"] for kind in ("key", "value")}
+    genie = options.bundle == "genie"
     for name, graph in manifest["graphs"].items():
         ir = irs[name]
-        store_cache_in_uint8(ir, graph["roles"], KV_LAYOUT, scales, PAD_VALUE)
+        store_cache_in_uint8(ir, graph["roles"], form.KV_LAYOUT, scales, form.PAD_VALUE)
         graph["roles"] = rename_io(ir, graph["roles"])
+        if genie:
+            graph["roles"], graph["rope"] = _genie_inputs(ir, graph["roles"], int(graph["tokens"]))
         save_model(ir, stage / graph["parts"][0]["onnx"])
         graph["parts"][0].update(inputs=[t.name for t in ir.graph.inputs], outputs=[t.name for t in ir.graph.outputs])
         graph["io"] = _io(ir)
-    manifest.update(kv_layout=dict(KV_LAYOUT), kv_dtype="uint8", kv_alignment="right",
-                    kv_encodings={"zero_point": PAD_VALUE, **{k: v for k, v in encodings.items() if k.endswith("_scales")}})
-    return {"format": "genai", "calibration": origin, "calibration_tokens": sum(len(s) for s in sequences),
+    manifest.update(kv_layout=dict(form.KV_LAYOUT), kv_dtype="uint8", kv_alignment="left" if genie else "right",
+                    kv_encodings={"zero_point": form.PAD_VALUE,
+                                  **{k: v for k, v in encodings.items() if k.endswith("_scales")}})
+    if genie:
+        manifest["rope"] = manifest["graphs"]["decode"]["rope"]
+    return {"format": options.bundle, "calibration": origin, "calibration_tokens": sum(len(s) for s in sequences),
             "kv_max": {k: v for k, v in encodings.items() if k.endswith("_max")}}
+
+
+def _genie_inputs(ir: IRModel, roles: dict[str, Any], tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Genie's inputs for one graph (:mod:`qnnpasses.llm.genie_io`); its roles and rotary encoding."""
+    from qnnpasses.llm import genie_io
+
+    if not roles.get("position_ids"):
+        raise BadInputError("--bundle genie needs rotary positions (Genie computes the rotary cos/sin itself); "
+                            "this model has none")
+    genie_io.ids_int32(ir, roles["input_ids"])
+    rope = genie_io.rotary_inputs(ir, roles["position_ids"])
+    genie_io.full_mask_input(ir, roles["attention_mask"], tokens)
+    renamed = {**roles, "position_ids": None, "position_cos": genie_io.COS, "position_sin": genie_io.SIN}
+    return renamed, {"theta": rope.theta, "dim": rope.dim}
 
 
 def _same_as_whole(parts: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,12 @@ slot index, says what a query sees; the rotary reads ``position_ids``):
   last ``valid_len`` past slots, and a short chunk is padded at its start (padding at position 0).
 
 ``attention_mask`` ``[1, P + S]`` is 1 for the valid cache slots and the real new tokens.
+
+Graphs in Genie's form (:mod:`qnnpasses.llm.genie_io`; the graph's roles name ``position_cos``)
+take what Genie's engine gives them, cache left-aligned: the whole additive mask
+``attention_mask`` ``[1, S, P + S]`` (0 where a query sees a key, ``MASKED`` elsewhere, padding
+rows all masked), and the rotary cos/sin rows ``[1, S, h]`` of the positions (padding at
+position 0), computed from the graph's ``rope`` as Genie computes them.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ def call_feed(graph: dict[str, Any], ids: list[int], valid_len: int, cache: dict
         mask[0, :valid_len] = 1
     mask[0, past + new.start:past + new.stop] = 1
     feed = {roles["input_ids"]: tokens, roles["attention_mask"]: mask}
-    if roles.get("position_ids"):
+    if roles.get("position_cos"):
+        feed.update(_genie_inputs(graph, mask, new, valid_len))
+    elif roles.get("position_ids"):
         positions = np.zeros((1, size), np.int64) if right else (valid_len + np.arange(size, dtype=np.int64))[None]
         positions[0, new] = valid_len + np.arange(count)
         feed[roles["position_ids"]] = positions
@@ -65,6 +73,21 @@ def call_feed(graph: dict[str, Any], ids: list[int], valid_len: int, cache: dict
                 value = np.ascontiguousarray(layout.take(kind, buffer, past))
             feed[name] = value
     return {k: v.astype(NUMPY.get(io[k]["dtype"], v.dtype), copy=False) for k, v in feed.items() if k in io}
+
+
+def _genie_inputs(graph: dict[str, Any], mask: np.ndarray, new: slice, valid_len: int) -> dict[str, np.ndarray]:
+    """The whole mask and the rotary rows of one call, as Genie's engine writes them."""
+    from qnnpasses.llm.genie_io import MASKED, Rope
+
+    roles, size, past = graph["roles"], int(graph["tokens"]), int(graph["past"])
+    rows, cols = np.arange(size)[:, None], np.arange(past + size)[None, :]
+    real = (rows >= new.start) & (rows < new.stop)
+    sees = (mask[0] != 0)[None, :] & ((cols < past) | (cols - past <= rows)) & real
+    whole = np.where(sees, np.float32(0), np.float32(MASKED))[None]
+    positions = np.zeros(size, np.int64)
+    positions[new] = valid_len + np.arange(new.stop - new.start)
+    cos, sin = Rope(**graph["rope"]).tables(positions)
+    return {roles["attention_mask"]: whole, roles["position_cos"]: cos[None], roles["position_sin"]: sin[None]}
 
 
 def store_new(graph: dict[str, Any], outputs: dict[str, np.ndarray], count: int, valid_len: int,

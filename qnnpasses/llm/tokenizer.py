@@ -152,6 +152,13 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether encoding text puts the BOS token first (the post-processor's choice, e.g. LLaMA's
+        tokenizers do, SmolLM2's and Qwen's do not)."""
+        bos = self.bos_token_id
+        return bos is not None and self.encode("a")[:1] == [bos]
+
     def _chat_template(self) -> str | None:
         jinja = self.folder / "chat_template.jinja"
         if jinja.is_file():
@@ -202,7 +209,7 @@ class TextTokenizer:
         """What the manifest records."""
         return {"file": TOKENIZER_FILE, "vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
                 "eos_token_ids": self.eos_token_ids, "pad_token_id": self.pad_token_id,
-                "chat_template": self.chat_template is not None}
+                "adds_bos": self.adds_bos, "chat_template": self.chat_template is not None}
 
 
 class StreamDecoder:
