@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.passes.shapes._symbols import SymbolTable, decode_step, resolve_inputs
 
 from qnnpasses.ir.checks import infer_proto
-from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.model import IRModel, export_with_stubs
 from qnnpasses.ir.shapes import DEFAULT_BATCH, DEFAULT_PAST, DEFAULT_SEQUENCE, is_static
 from qnnpasses.passmanager.api import (
     CONTRIB_LOWERED,
@@ -99,7 +99,7 @@ def _fix_output_shapes(ir: IRModel, table: SymbolTable) -> int:
     pending = [t for t in ir.graph.outputs if t.shape is None or not all(is_static(d) for d in t.shape)]
     if not pending:
         return 0
-    inferred = _inferred_output_dims(ir)
+    inferred = _inferred_output_dims(ir, {t.name for t in pending})
     fixed = 0
     for tensor in pending:
         dims = list(tensor.shape) if tensor.shape is not None else inferred.get(tensor.name)
@@ -120,17 +120,25 @@ def _first_static(*candidates):
     return next((c for c in candidates if is_static(c)), None)
 
 
-def _inferred_output_dims(ir: IRModel) -> dict[str, list]:
-    """Output dims by shape inference with the outputs' own (symbolic) dims erased first."""
-    proto, _ = ir.to_proto()
+def _inferred_output_dims(ir: IRModel, names: set[str]) -> dict[str, list]:
+    """Dims of the tensors named ``names`` (the outputs still symbolic) by shape inference
+    with the outputs' own (symbolic) dims erased first.
+
+    The proto is exported without value infos and inferred in place: inference starts from
+    scratch anyway (:func:`infer_proto` drops intermediate value infos), so building and
+    copying them for a graph of every layer's tensors only cost time.  Of the inferred
+    value infos only the wanted names are decoded."""
+    proto, _ = export_with_stubs(ir, value_infos=False)
     for output in proto.graph.output:
         output.type.tensor_type.ClearField("shape")
     try:
-        inferred = infer_proto(proto)
+        inferred = infer_proto(proto, copy=False)
     except Exception:  # inference trouble only means we fall back to the symbols
         return {}
     found = {}
     for info in list(inferred.graph.output) + list(inferred.graph.value_info):
+        if info.name not in names:
+            continue
         ttype = info.type.tensor_type
         if info.name in found or not ttype.HasField("shape"):
             continue

@@ -189,8 +189,10 @@ def _input_info(name: str, data_type: int, dims: tuple[int, ...]) -> onnx.ValueI
     return onnx.helper.make_tensor_value_info(name, data_type, list(dims))
 
 
-def infer_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
-    return onnx.shape_inference.infer_shapes(stubs_as_inputs(proto), data_prop=True)
+def infer_proto(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelProto:
+    """Shape inference of ``proto`` with its stubs as inputs and no intermediate value infos;
+    ``copy=False`` lets it rewrite ``proto`` itself (a proto made only for it)."""
+    return onnx.shape_inference.infer_shapes(stubs_as_inputs(proto, copy=copy), data_prop=True)
 
 
 def refresh_shapes(ir: IRModel) -> None:
