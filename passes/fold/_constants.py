@@ -216,25 +216,53 @@ def _size_ok(node: gs.Node, max_bytes: int) -> tuple[bool, str]:
     return True, ""
 
 
-def evaluate(node: gs.Node, opsets: dict[str, int]) -> list[np.ndarray]:
-    """Run one node on constant inputs with the ONNX reference evaluator at ``opsets``."""
-    from onnx.reference import ReferenceEvaluator  # imported on the first node that folds
+#: inputs up to this many bytes in all make an evaluation worth remembering (:func:`evaluate`)
+MEMO_INPUT_BYTES = 1 << 16
 
+
+def evaluate(node: gs.Node, opsets: dict[str, int], memo: dict | None = None) -> list[np.ndarray]:
+    """Run one node on constant inputs with the ONNX reference evaluator at ``opsets``.
+
+    With ``memo`` (one dict per sweep at the same ``opsets``) a node that is the same op with
+    the same attributes on the same input values as one evaluated before gets that one's
+    outputs without building another evaluator: exporters repeat the same shape arithmetic
+    in every layer.  The caller copies what it keeps (the arrays are shared)."""
     proto = OnnxExporter.export_node(node)
     names = [f"i{k}" if t.name else "" for k, t in enumerate(node.inputs)]
     proto.input[:] = names
     proto.output[:] = [f"o{k}" for k in range(len(node.outputs))]
+    feeds = {n: np.asarray(t.values) for n, t in zip(names, node.inputs) if n}
+    key = _evaluation_key(proto, feeds) if memo is not None else None
+    if key is not None and key in memo:
+        return list(memo[key])
+    from onnx.reference import ReferenceEvaluator  # imported on the first node that folds
+
     graph = onnx.helper.make_graph([proto], "fold", [onnx.ValueInfoProto(name=n) for n in names if n],
                                    [onnx.ValueInfoProto(name=o) for o in proto.output])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()])
-    feeds = {n: np.asarray(t.values) for n, t in zip(names, node.inputs) if n}
-    return [np.asarray(v) for v in ReferenceEvaluator(model).run(None, feeds)]
+    values = [np.asarray(v) for v in ReferenceEvaluator(model).run(None, feeds)]
+    if key is not None:
+        memo[key] = values
+    return list(values)
+
+
+def _evaluation_key(proto: onnx.NodeProto, feeds: dict[str, np.ndarray]) -> tuple | None:
+    """Everything an evaluation depends on: the node proto but its name (the evaluator does
+    not read it), and each input's dtype, shape and bytes; ``None`` (not remembered) for
+    inputs above :data:`MEMO_INPUT_BYTES` or of object dtype, whose bytes are no value."""
+    if sum(a.nbytes for a in feeds.values()) > MEMO_INPUT_BYTES or any(a.dtype.hasobject for a in feeds.values()):
+        return None
+    name, proto.name = proto.name, ""
+    spec = proto.SerializeToString()
+    proto.name = name
+    return spec, tuple((n, a.dtype, a.shape, a.tobytes()) for n, a in feeds.items())
 
 
 def fold_constant_nodes(graph: gs.Graph, max_bytes: int, report: FoldReport) -> None:
     """Fold, in topological order, every node whose value is known at compile time."""
     opsets = graph_opsets(graph)
     outputs = set(id(t) for t in graph.outputs)
+    memo: dict = {}
     toposort(graph)
     for node in list(graph.nodes):
         computed_input = any(t.name and not isinstance(t, gs.Constant) for t in node.inputs)
@@ -256,7 +284,7 @@ def fold_constant_nodes(graph: gs.Graph, max_bytes: int, report: FoldReport) -> 
             report.skip(node, why)
             continue
         try:
-            values = evaluate(node, opsets)
+            values = evaluate(node, opsets, memo)
         except Exception as exc:  # an op the evaluator lacks, or a domain it does not know
             report.skip(node, f"cannot evaluate: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
             continue
