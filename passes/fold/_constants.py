@@ -81,12 +81,17 @@ class FoldReport:
 
 
 def constants_to_initializers(graph: gs.Graph, report: FoldReport) -> None:
-    """Turn every ``Constant`` node of the main graph into an initializer of the same name."""
+    """Turn every ``Constant`` node of the main graph into an initializer of the same name.
+
+    Graph outputs are told by name, as ``tensor in graph.outputs`` tells them (graphsurgeon
+    tensors are equal by name), from a set made once: a KV-cache decoder has two outputs
+    per layer, and scanning them for every Constant node grew with the square of the layers."""
+    outputs = {t.name for t in graph.outputs}
     for node in list(graph.nodes):
         if node.op != "Constant" or node.inputs or len(node.outputs) != 1:
             continue
         out = node.outputs[0]
-        if out in graph.outputs:
+        if out.name in outputs:
             report.skip(node, "produces a graph output")
             continue
         value = constant_value(out)
