@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""What the onnxruntime-genai bundle costs and whether its runtime agrees: docs/llm_bundles.md / .json.
+"""What the 8-bit bundles cost and whether their runtimes agree: docs/llm_bundles.md / .json.
 
 Trained SmolLM2-135M as a user's Hugging Face folder (``tools/trained_fixtures.py``, exporter
 ``hf``: transformers' default attention, TorchScript KV export) goes through ``qnnpasses llm``
-twice at the same context and prefill: our bundle (float16 cache) and ``--bundle genai`` (uint8
-cache, key transposed, per-layer scales calibrated on the built-in text).  For each:
+three times at the same context and prefill: our bundle (float16 cache), ``--bundle genai`` (uint8
+cache, key transposed, per-layer scales calibrated on the built-in text) and ``--bundle genie``
+(the same cache, Genie's inputs, compiled: Genie loads context binaries).  For each:
 
 * teacher-forced top-1 agreement with the original export (fp32, onnxruntime CPU) on held-out
   English windows (``smollm2_135m.eval.npz``): the first 16 tokens as the prompt, every later
@@ -13,10 +14,13 @@ cache, key transposed, per-layer scales calibrated on the built-in text).  For e
 * greedy generation of transformers' prompt ("The capital of France is") against transformers'
   own greedy tokens;
 * for the genai bundle: onnxruntime-genai itself (CPU provider, the release the test extra pins)
-  on the same prompt, against ``qnnpasses generate --on cpu``.
+  on the same prompt, against ``qnnpasses generate --on cpu``;
+* for the Genie bundle: Genie itself (``libGenie.so`` from onnxruntime-qnn, the simulated HTP) on
+  the same prompt, against transformers and ``qnnpasses generate --on htp`` (the same binaries).
 
-    python tools/bundle_eval.py                   # context 64, prefill 16, 4 windows (about 5 min)
+    python tools/bundle_eval.py                   # context 64, prefill 16, 4 windows (about 10 min)
     python tools/bundle_eval.py --context 256 --prefill 32 --windows 8
+    python tools/bundle_eval.py --bundles genie   # remeasure one bundle, keep the others' rows
 """
 
 from __future__ import annotations
@@ -32,6 +36,20 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 16
+BUNDLES = ("qnnpasses", "genai", "genie")
+
+
+def _kept_rows(path: Path, args, wanted: list[str]) -> dict:
+    """The rows of the bundles not measured now, from the JSON an earlier run wrote with the same settings."""
+    rest = [b for b in BUNDLES if b not in wanted]
+    if not rest:
+        return {}
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    same = all(data.get(k) == getattr(args, k) for k in ("context", "prefill", "windows"))
+    rows = {r["bundle"]: r for r in data.get("rows", [])}
+    if not same or any(b not in rows for b in rest):
+        raise SystemExit(f"{path} has no rows for {', '.join(rest)} at these settings: measure all bundles")
+    return rows
 
 
 def teacher_forced(runner, reference, windows: np.ndarray, length: int) -> list[float]:
@@ -46,14 +64,16 @@ def teacher_forced(runner, reference, windows: np.ndarray, length: int) -> list[
 
 def measure(folder: Path, bundle: str, args, work: Path, windows: np.ndarray, hf: dict) -> dict:
     from qnnpasses.backends.htp import htp_available
-    from qnnpasses.llm import genai
+    from qnnpasses.llm import genai, genie
     from qnnpasses.llm.convert import build
     from qnnpasses.llm.reference import ReferenceModel, leading_matches
     from qnnpasses.llm.runner import Runner
 
     out = work / bundle
     start = time.monotonic()
-    manifest = build(folder, out, context=args.context, prefill=args.prefill, compile=False, probe=False, bundle=bundle)
+    compiled = bundle == "genie" and htp_available()  # Genie loads context binaries
+    manifest = build(folder, out, context=args.context, prefill=args.prefill, compile=compiled, probe=False,
+                     bundle=bundle)
     seconds = time.monotonic() - start
     report = json.loads((out / "report.json").read_text())
     reference = ReferenceModel(folder / "model.onnx")
@@ -61,7 +81,7 @@ def measure(folder: Path, bundle: str, args, work: Path, windows: np.ndarray, hf
     result: dict = {"bundle": bundle, "kv_dtype": manifest["kv_dtype"], "kv_layout": manifest["kv_layout"],
                     "build_seconds": round(seconds, 1), "kv_cache_bytes": manifest["device"]["kv_cache_bytes"],
                     "float_check": {k: report["verification"][k] for k in ("logits", "kv", "ok")}}
-    if bundle == "genai":
+    if bundle != "qnnpasses":
         result["calibration"] = report["bundle"]
         result["bundle_check"] = {k: report["bundle_verification"][k] for k in ("logits", "kv", "kv_scale", "top1")}
     ons = ["cpu"] + (["htp"] if htp_available() else [])
@@ -76,6 +96,11 @@ def measure(folder: Path, bundle: str, args, work: Path, windows: np.ndarray, hf
             theirs = genai.generate(out, runner.manifest, hf["prompt_ids"], len(hf["greedy"]))
             result["onnxruntime_genai"] = {"runtime": theirs["runtime"], "tokens": len(theirs["tokens"]),
                                            "same_as_ours": theirs["tokens"] == tokens[:len(theirs["tokens"])]}
+        if on == "htp" and compiled and genie.library_path() is not None:
+            theirs = genie.generate(out, runner.manifest, hf["prompt_ids"], len(hf["greedy"]))
+            result["genie"] = {"runtime": theirs["runtime"], "tokens": len(theirs["tokens"]),
+                               "same_as_ours": theirs["tokens"] == tokens[:len(theirs["tokens"])],
+                               "transformers_leading": leading_matches(theirs["tokens"], hf["greedy"])}
     return result
 
 
@@ -88,7 +113,8 @@ def markdown(data: dict) -> str:
              f"of each bundle's argmax with the original export's (fp32, onnxruntime CPU) at every position after "
              f"a {PROMPT_TOKENS}-token prompt, on {data['windows']} held-out English windows; HTP: the simulated "
              "HTP backend, fp16 mode, the `.onnx` graphs, CPU fallback off.  Greedy: leading tokens equal to "
-             f"transformers' own greedy generation of \"{data['prompt']}\".", "",
+             f"transformers' own greedy generation of \"{data['prompt']}\" (the Genie bundle on the HTP: its "
+             "compiled context binaries).", "",
              "| bundle | KV cache | KV bytes | top-1 CPU | top-1 HTP | greedy CPU | greedy HTP |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for row in data["rows"]:
@@ -105,8 +131,18 @@ def markdown(data: dict) -> str:
               f"tokens of `{cal['calibration']}` calibration (largest key {max(cal['kv_max']['key_max']):.1f}, "
               f"value {max(cal['kv_max']['value_max']):.2f}).  {og['runtime']} on the CPU generated "
               f"{og['tokens']} tokens from the same prompt, {'the same as' if og['same_as_ours'] else 'NOT the same as'} "
-              "`qnnpasses generate --on cpu` on the bundle.", ""]
-    return "\n".join(lines)
+              "`qnnpasses generate --on cpu` on the bundle."]
+    genie = next((r.get("genie") for r in data["rows"] if r["bundle"] == "genie"), None)
+    if genie:
+        lines += ["", f"Genie itself ({genie['runtime']}, `libGenie.so` from onnxruntime-qnn, on the simulated HTP with "
+                  f"its own cache, mask and rotary, given the prompt's token ids) generated {genie['tokens']} tokens "
+                  f"from the same prompt (it ends at the end of sequence without handing that token over), "
+                  f"{genie['transformers_leading']} of them leading tokens equal to transformers', "
+                  f"{'the same as' if genie['same_as_ours'] else 'NOT the same as'} `qnnpasses generate --on htp` on "
+                  "the same binaries."]
+    else:
+        lines += ["", "Genie was not run (no HTP backend or no libGenie.so)."]
+    return "\n".join(lines + [""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=16)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "llm_bundles.md")
+    parser.add_argument("--bundles", default=",".join(BUNDLES),
+                        help="bundles to measure (comma-separated); the others' rows are kept from the JSON written before")
     args = parser.parse_args(argv)
+    wanted = [b for b in args.bundles.split(",") if b]
+    if not wanted or any(b not in BUNDLES for b in wanted):
+        parser.error(f"--bundles takes some of {', '.join(BUNDLES)}")
+    kept = _kept_rows(args.out.with_suffix(".json"), args, wanted)
     sys.path.insert(0, str(ROOT / "tools"))
     import trained_fixtures as tf
 
@@ -127,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     with np.load(tf.DEFAULT_CACHE / "smollm2_135m.eval.npz") as data:
         windows = data["input_ids"][:args.windows]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(folder, bundle, args, Path(tmp), windows, hf) for bundle in ("qnnpasses", "genai")]
+        measured = {bundle: measure(folder, bundle, args, Path(tmp), windows, hf) for bundle in wanted}
+    rows = [measured.get(bundle) or kept[bundle] for bundle in BUNDLES]
     data = {"model": "SmolLM2-135M (hf export)", "context": args.context, "prefill": args.prefill,
             "windows": args.windows, "prompt": hf["prompt"], "rows": rows}
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
