@@ -8,7 +8,7 @@ models (``ep.context_embed_mode=0``).  Whether a *session* on such a pair then w
 property of the onnxruntime-qnn build (the process can crash creating one).  So the shared
 pair is compiled and then run in a child process; if that child fails in any way, the shared
 files are deleted and every graph is compiled to its own context (``separate``, binary
-embedded).  The outcome and the reason go to the manifest and the report.
+embedded, or in its own ``*_qnn.bin`` file for runtimes that load binaries, as Genie does).  The outcome and the reason go to the manifest and the report.
 
 Sessions that compile or probe a graph run with onnxruntime's graph optimizations disabled:
 the HTP gets exactly the graph ``htp-llm`` wrote.  (onnxruntime's MatMulAddFusion otherwise
