@@ -191,13 +191,19 @@ def test_both_graphs_on_the_htp_and_its_tokens(bundle, capsys):
     ({"context": 12}, "twice --prefill"),
 ])
 def test_requests_the_windowed_cache_cannot_honour_exit_2(folder, tmp_path, capsys, options, message):
-    args = {"context": CONTEXT, "prefill": PREFILL, **options}
-    argv = ["llm", str(folder), "--out-dir", str(tmp_path / "out"), "--bundle", "genai", "--no-compile"]
-    for key, value in args.items():
+    assert_llm_refused(capsys, folder, tmp_path / "out", "genai", {"context": CONTEXT, "prefill": PREFILL, **options},
+                       message)
+
+
+def assert_llm_refused(capsys, folder, out, bundle: str, options: dict, message: str) -> None:
+    """``qnnpasses llm FOLDER --bundle BUNDLE`` with ``options`` exits 2 with one line holding
+    ``message`` and writes nothing."""
+    argv = ["llm", str(folder), "--out-dir", str(out), "--bundle", bundle, "--no-compile"]
+    for key, value in options.items():
         argv += [f"--{key}", str(value)]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0] and not (tmp_path / "out").exists()
+    assert len(err) == 1 and message in err[0] and not out.exists()
 
 
 def test_no_tokenizer_and_sliding_windows_are_refused(tmp_path, capsys):

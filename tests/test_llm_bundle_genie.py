@@ -24,7 +24,7 @@ import pytest
 import qnnpasses.passes  # noqa: F401 - registers the passes the llm build runs
 from conftest import htp_backend_available, requires_htp
 from test_generate_text import SOURCE, folder  # noqa: F401 - folder is a fixture
-from test_llm_bundle_genai import graph_io, prompts, run_json
+from test_llm_bundle_genai import assert_llm_refused, graph_io, prompts, run_json
 
 from qnnpasses.cli import main as cli_main
 from qnnpasses.llm.convert import build
@@ -206,15 +206,11 @@ def test_genie_generates_our_tokens_on_the_htp(bundle, capsys):
 @pytest.mark.parametrize("options, message", [
     ({"precision": "w8a16", "calib": "x.npy"}, "--precision fp16"),
     ({"prefill": 1}, "at least 2"),
+    ({"parts": 2}, "cannot be split"),
 ])
 def test_requests_the_genie_bundle_cannot_honour_exit_2(folder, tmp_path, capsys, options, message):
-    args = {"context": CONTEXT, "prefill": PREFILL, **options}
-    argv = ["llm", str(folder), "--out-dir", str(tmp_path / "out"), "--bundle", "genie", "--no-compile"]
-    for key, value in args.items():
-        argv += [f"--{key}", str(value)]
-    assert cli_main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0] and not (tmp_path / "out").exists()
+    assert_llm_refused(capsys, folder, tmp_path / "out", "genie", {"context": CONTEXT, "prefill": PREFILL, **options},
+                       message)
 
 
 def test_no_tokenizer_is_refused_and_genie_runs_on_the_htp_only(bundle, tmp_path, capsys):
