@@ -2,9 +2,17 @@
 
 Bytes use binary units with one decimal (``418.6 KiB``, ``1.2 GiB``; below 1 KiB the exact
 count, ``912 B``); FLOPs and other counts use SI prefixes with one decimal (``3.1 MFLOPs``).
+Sizes the user types (``2G``, ``512MiB``) are read by :func:`parse_size`.
 """
 
 from __future__ import annotations
+
+import re
+
+from qnnpasses.errors import BadInputError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _SI = ("", "k", "M", "G", "T", "P")
@@ -57,3 +65,12 @@ def fmt_seconds(s: float | None) -> str:
 
 
 __all__ = ["fmt_bytes", "fmt_count", "fmt_flops", "fmt_seconds"]
+
+
+def parse_size(text: str, option: str = "--max-part-bytes") -> int:
+    """``2G``, ``512MiB``, ``1.5g``, ``6000000`` -> bytes (binary units); ``option`` names the flag
+    in the error."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise BadInputError(f"{option} expects a size such as 2G, 512M or 6000000 (got '{text}')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -9,7 +9,6 @@ real QNN HTP backend in fp16 when it is available (or on the CPU with ``--on cpu
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from qnnpasses.commands.common import (
@@ -22,20 +21,8 @@ from qnnpasses.commands.common import (
     shaped_path,
 )
 from qnnpasses.errors import BackendUnavailableError, BadInputError, CheckFailedError
-from qnnpasses.units import fmt_bytes, fmt_flops
+from qnnpasses.units import fmt_bytes, fmt_flops, parse_size
 from qnnpasses.wording import explain
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``2G``, ``512MiB``, ``1.5g``, ``6000000`` -> bytes (binary units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise BadInputError(f"--max-part-bytes expects a size such as 2G, 512M or 6000000 (got '{text}')")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def _names(text: str | None) -> tuple[str, ...]:
     return tuple(n.strip() for n in (text or "").split(",") if n.strip())
