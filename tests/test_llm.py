@@ -147,7 +147,7 @@ def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
     logits (two lm_head MatMuls, the offset output named by the manifest); the spec records it."""
     from collections import Counter
 
-    from qnnpasses.llm.convert import FP16_PIPELINE, LOGITS_OFFSET
+    from qnnpasses.llm.convert import FP16_PIPELINE, LOGITS_OFFSET, fp16_passes
 
     manifest = built("llama_gqa_kv_dyn_ts")
     layers = manifest["layers"]
@@ -156,7 +156,8 @@ def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
         ops = Counter(n.op_type for n in proto.graph.node)
         assert (ops["Softmax"], ops["Sigmoid"], ops["Exp"], ops["Tanh"]) == (0, 0, layers, layers), ops
         spec = {p.key: p.value for p in proto.metadata_props}["qnnpasses.passmanager.spec"]
-        assert spec.endswith(f",{FP16_PIPELINE},{LOGITS_OFFSET}{{output=logits}}")
+        assert spec.endswith(f",{FP16_PIPELINE},{LOGITS_OFFSET}{{output=logits}},tied-embedding")
+        assert spec.endswith("," + fp16_passes("logits").to_text())
         roles = manifest["graphs"][graph_name]["roles"]
         assert roles["logits_offset"] == "logits_offset"
         assert [o.name for o in proto.graph.output].count("logits_offset") == 1
@@ -241,6 +242,8 @@ def test_parts_chain_to_the_same_logits(built):
     (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--precision", "int3"], "unknown precision"),
     (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--precision", "w8a16"], "needs --calib"),
     (["llama_gqa_kv_dyn_dynamo", "--context", "256", "--prefill", "16"], "fixes the new-token count at 1"),
+    (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--max-part-bytes", "lots"],
+     "--max-part-bytes expects a size"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     from qnnpasses.cli import main
@@ -359,3 +362,47 @@ def test_calibration_feeds_are_streamed_to_disk_and_equal_the_runner_feeds(built
         for key in calls[0]:
             stored = np.load(tmp_path / name / f"{key}.npy", mmap_mode="r")
             np.testing.assert_array_equal(stored, np.stack([calls[i][key] for i in keep]))
+
+
+def test_every_graph_and_part_reads_its_weights_from_one_file(tmp_path):
+    """The pair's graphs (here split into parts) hold the same weights: the bundle stores them once,
+    in ``weights.data``, and the parts still compute what the original does."""
+    from qnnpasses.llm.convert import WEIGHTS_FILE, build
+
+    source = tmp_path / "export" / "model.onnx"
+    source.parent.mkdir()
+    onnx.save(onnx.load(str(fixture_path("llama_gqa_kv_dyn_ts"))), str(source), save_as_external_data=True,
+              location="model.onnx.data", size_threshold=1024)
+    manifest = build(source, tmp_path / "pair", context=64, prefill=16, parts=2, compile=False, probe=False)
+    folder = tmp_path / "pair"
+    assert [p.name for p in folder.glob("*.data")] == [WEIGHTS_FILE]
+    parts = [folder / p["onnx"] for g in manifest["graphs"].values() for p in g["parts"]]
+    assert len(parts) == 4
+    for path in parts:
+        locations = {e.value for t in onnx.load(str(path), load_external_data=False).graph.initializer
+                     for e in t.external_data if e.key == "location"}
+        assert locations == {WEIGHTS_FILE}, path.name
+    report = json.loads((folder / "report.json").read_text())
+    stored = report["weights_file"]
+    assert stored["bytes_after"] == (folder / WEIGHTS_FILE).stat().st_size
+    assert stored["bytes_after"] <= 0.55 * stored["bytes_before"]  # prefill's and decode's weights, once
+    assert report["verification"]["ok"] and report["parts_verification"]["ok"]
+
+
+def test_graphs_larger_than_the_default_part_budget_are_split_without_being_asked(tmp_path, monkeypatch):
+    """Without --parts / --max-part-bytes a graph is split where it holds more than
+    DEFAULT_PART_BYTES on the HTP (weights at 2 bytes per float in an fp16 pair)."""
+    from qnnpasses.llm import convert
+    from qnnpasses.llm.footprint import weight_bytes
+
+    held = weight_bytes(fixture_path("llama_gqa_kv_dyn_ts"), float_bytes=2)
+    monkeypatch.setattr(convert, "DEFAULT_PART_BYTES", held // 2)
+    manifest = convert.build(fixture_path("llama_gqa_kv_dyn_ts"), tmp_path / "pair", context=64, prefill=16,
+                             compile=False, probe=False)
+    report = json.loads((tmp_path / "pair" / "report.json").read_text())
+    assert report["split"] == {"parts": None, "max_part_bytes": held // 2, "default": True}
+    for graph in manifest["graphs"].values():
+        assert len(graph["parts"]) >= 2
+        htp_bytes = [weight_bytes(tmp_path / "pair" / p["onnx"], float_bytes=2) for p in graph["parts"]]
+        assert max(htp_bytes) <= held // 2
+    assert report["parts_verification"]["ok"]

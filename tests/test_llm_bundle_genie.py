@@ -221,3 +221,16 @@ def test_no_tokenizer_is_refused_and_genie_runs_on_the_htp_only(bundle, tmp_path
     assert cli_main(["generate", str(bundle), "--prompt-ids", "1,5", "--on", "cpu", "--runtime", "genie"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--on htp" in err[0]
+
+
+def test_a_model_larger_than_one_part_is_refused_before_the_build(folder, tmp_path, monkeypatch):
+    """Genie bundles cannot be split yet: a model whose graphs would hold more than one part may
+    on the HTP (qnnpasses.llm.convert.DEFAULT_PART_BYTES) is refused in one line, nothing written."""
+    from qnnpasses.errors import BadInputError
+    from qnnpasses.llm import convert
+
+    monkeypatch.setattr(convert, "DEFAULT_PART_BYTES", 1000)
+    with pytest.raises(BadInputError, match="Genie bundles cannot be split yet"):
+        build(folder, tmp_path / "bundle", context=CONTEXT, prefill=PREFILL, compile=False, probe=False,
+              bundle="genie")
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle.*"))

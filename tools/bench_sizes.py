@@ -130,9 +130,12 @@ def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision:
 
 def bundle_figures(out_dir: Path) -> dict:
     report = json.loads((out_dir / "report.json").read_text())
+    manifest = json.loads((out_dir / "llm.json").read_text())
     files = {p.name: p.stat().st_size for p in out_dir.iterdir() if p.is_file()}
     device = report.get("device") or {}
     return {"bundle_bytes": sum(files.values()), "files": files, "memory": report.get("memory"),
+            "parts": {name: len(g["parts"]) for name, g in manifest["graphs"].items()},
+            "weights_file": report.get("weights_file"), "weight_sharing": manifest.get("weight_sharing"),
             "device": {k: device.get(k) for k in ("device_bytes", "kv_cache_bytes", "decode_step_read_bytes",
                                                   "weights_from", "target", "decode_tokens_per_second_ceiling")},
             "graph_weight_bytes": {name: g.get("weight_bytes") for name, g in (device.get("graphs") or {}).items()},
@@ -177,23 +180,30 @@ def write_markdown(doc: dict) -> str:
              "exported by TorchScript with a dynamic KV cache, float32.  Peak memory: the build's sampled "
              f"private memory and the kernel's resident peak of the whole build (largest process); "
              f"{doc['machine']['cpus']} CPUs.  GiB throughout.", "",
-             "| shape | params | precision | context / prefill | compiled | wall min | export GiB | private peak "
-             "| resident peak | peak / export | bundle GiB | device GiB | params GiB (fp16) | decode step reads |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| shape | params | precision | context / prefill | compiled | parts | wall min | export GiB | private peak "
+             "| resident peak | peak / export | bundle GiB | .onnx weights / params (fp32) | device GiB "
+             "| device / params (fp16) | decode step reads |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in sorted(doc["entries"], key=key):
         if e["exit"] != 0:
             lines.append(f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / "
-                         f"{e['prefill']} | {'yes' if e['compiled'] else 'no'} | {e['wall_seconds'] / 60:.1f} | "
-                         f"{gib(e['export_bytes'])} | failed: {e.get('error', '?')} | | | | | | |")
+                         f"{e['prefill']} | {'yes' if e['compiled'] else 'no'} | | {e['wall_seconds'] / 60:.1f} | "
+                         f"{gib(e['export_bytes'])} | failed: {e.get('error', '?')} | | | | | | | | |")
             continue
         memory, device = e.get("memory") or {}, e.get("device") or {}
         resident = max(filter(None, [memory.get("resident_peak_bytes"), e.get("tree_resident_peak_bytes")]), default=0)
+        onnx_weights = (e.get("weights_file") or {}).get("bytes_after")
+        parts = e.get("parts") or {}
+        params_fp32, params_fp16 = e["parameters"] * 4, e["parameters"] * 2
+        onnx_ratio = f"{onnx_weights / params_fp32:.2f}×" if onnx_weights else "-"
+        held = device.get("device_bytes")
+        device_ratio = f"{held / params_fp16:.2f}×" if held else "-"
         lines.append(
             f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / {e['prefill']} | "
-            f"{'yes' if e['compiled'] else 'no'} | {e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | "
-            f"{gib(memory.get('private_peak_bytes'))} | {gib(resident)} | "
-            f"{resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {gib(device.get('device_bytes'))} | "
-            f"{gib(e['parameters'] * 2)} | {gib(device.get('decode_step_read_bytes'))} |")
+            f"{'yes' if e['compiled'] else 'no'} | {max(parts.values()) if parts else '-'} | "
+            f"{e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
+            f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
+            f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
     return "\n".join(lines) + "\n"
 
 

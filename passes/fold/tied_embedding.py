@@ -15,9 +15,8 @@ values, moved, not computed (EXACT).  On the HTP (fp16 mode) the logits are the 
 
 What it does not do: make the compiled context smaller.  The simulated HTP has stored the
 Gather's table in the context binary on its own: a trained pair's ``.onnx`` graphs shrink by the
-table's bytes, its context binaries not.  So ``qnnpasses llm`` does not run
-it: it shrinks the ONNX file (a model near the 2 GB protobuf limit, or one that is copied
-around), not what a device holds.
+table's bytes, its context binaries not.  ``qnnpasses llm`` runs it on fp16 pairs for the
+bundle's ``.onnx`` graphs and their weights file, not for what a device holds.
 """
 
 from __future__ import annotations

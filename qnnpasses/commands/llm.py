@@ -1,7 +1,7 @@
 """``qnnpasses llm``: a HF-style KV-cache decoder export -> a static prefill + decode pair for the HTP.
 
 Writes ``DIR/prefill.onnx``, ``DIR/decode.onnx`` (static shapes, htp-llm applied, the cache
-outside the graph), their compiled EPContext models, ``DIR/llm.json`` (the manifest a runner
+outside the graph; their weights in ``DIR/weights.data``), their compiled EPContext models, ``DIR/llm.json`` (the manifest a runner
 follows, see :mod:`qnnpasses.llm.manifest`) and ``DIR/report.json`` / ``report.md``.
 """
 
@@ -11,6 +11,7 @@ import json
 
 from qnnpasses.commands.common import add_deprecated, add_format_arg
 from qnnpasses.errors import BadInputError
+from qnnpasses.units import parse_size
 
 
 def _positive_int(text: str) -> int:
@@ -36,7 +37,10 @@ def register(subparsers) -> None:
                         "(default there: a built-in English text through the model's tokenizer)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--parts", type=_positive_int, metavar="K", help="split each graph into K consecutive parts")
-    split.add_argument("--max-part-bytes", type=_positive_int, metavar="B", help="split each graph into parts of at most B bytes")
+    split.add_argument("--max-part-bytes", metavar="SIZE",
+                       help="split each graph into parts of at most SIZE bytes on the HTP (weights in its dtype + "
+                            "peak activations; e.g. 1G). Default: 2G, splitting only the graphs larger than that "
+                            "(the HTP's 4 GiB address space holds a context and its buffers)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
     p.add_argument("--plain-logits", dest="logits_offset", action="store_false",
                    help="fp16: output the logits as they are, not relative to their row's maximum with a "
@@ -78,7 +82,7 @@ def main(args) -> int:
         raise BadInputError("llm needs --out-dir DIR (the folder to write the prefill + decode pair into)")
 
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
-                     calib=args.calib, parts=args.parts, max_part_bytes=args.max_part_bytes, compile=args.compile,
+                     calib=args.calib, parts=args.parts, max_part_bytes=parse_size(args.max_part_bytes) if args.max_part_bytes is not None else None, compile=args.compile,
                      logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer,
                      bundle=args.bundle)
     if args.format == "json":

@@ -5,10 +5,12 @@ graphs in one QNN context whose weights are stored once: session config
 ``ep.share_ep_contexts=1`` on every session of the group (``ep.stop_share_ep_contexts=1`` on
 the last) and the provider option ``enable_htp_weight_sharing=1``, with the binary beside the
 models (``ep.context_embed_mode=0``).  Whether a *session* on such a pair then works is a
-property of the onnxruntime-qnn build (the process can crash creating one).  So the shared
-pair is compiled and then run in a child process; if that child fails in any way, the shared
-files are deleted and every graph is compiled to its own context (``separate``, binary
-embedded, or in its own ``*_qnn.bin`` file for runtimes that load binaries, as Genie does).  The outcome and the reason go to the manifest and the report.
+property of the onnxruntime-qnn build (the process can crash creating one).  So a toy shared
+pair is compiled and run first (:func:`backend_shares_weights`, seconds); only where that runs is
+the real pair compiled shared and then run in a child process; if either fails in any way, the shared
+files are deleted and every graph is compiled to its own context (``separate``).  Each context
+binary is a ``*_qnn.bin`` file beside its EPContext model.  The outcome and the reason go to the
+manifest and the report, and so does each graph's placement, read from its compile.
 
 Sessions that compile or probe a graph run with onnxruntime's graph optimizations disabled:
 the HTP gets exactly the graph ``htp-llm`` wrote.  (onnxruntime's MatMulAddFusion otherwise
@@ -18,8 +20,8 @@ of a part -- into a Gemm the HTP rejects.)
 Quantized (QDQ) graphs are compiled in integer precision with
 ``offload_graph_io_quantization=0``: the HTP then also takes the graph-boundary Q/DQ nodes
 (onnxruntime otherwise runs them on the CPU), so the compiled model is one EPContext node.
-:func:`probe` measures placement (QNN partitions, CPU nodes with CPU fallback disabled) and
-the composed QNN op count with the same options, in a child process.
+:func:`probe` measures placement (QNN partitions, CPU nodes) and the composed QNN op count
+with the same options, in a child process, by compiling the graph into a temporary folder.
 """
 
 from __future__ import annotations
@@ -56,20 +58,21 @@ def _zero_inputs(sess) -> dict[str, np.ndarray]:
 
 
 def _child(argv: list[str] | None = None) -> int:
-    """Modes: ``compile`` each model (shared context unless ``--separate``), ``run`` the compiled
-    models, ``place`` a model once with profiling and a QNN graph dump."""
-    from qnnpasses.backends.htp import htp_session, parse_profile, parse_qnn_graph_dir
+    """Modes: ``compile`` each model (shared context unless ``--separate``; with ``--facts DIR``
+    also dump each composed QNN graph there and record its placement), ``run`` the compiled models."""
+    from qnnpasses.backends.htp import htp_session, parse_qnn_graph_dir
+    from qnnpasses.handoff.epcontext import context_summary
 
     parser = argparse.ArgumentParser(prog="python -m qnnpasses.llm.compile")
-    parser.add_argument("mode", choices=("compile", "run", "place"))
+    parser.add_argument("mode", choices=("compile", "run"))
     parser.add_argument("--pairs", required=True, help="JSON list of [model, compiled] paths")
     parser.add_argument("--result", required=True)
-    parser.add_argument("--separate", action="store_true", help="one context per model, embedded")
-    parser.add_argument("--external", action="store_true", help="with --separate: each binary in its own file")
+    parser.add_argument("--separate", action="store_true", help="one context per model")
+    parser.add_argument("--facts", help="folder for the QNN graph dumps; record placement and op counts")
     parser.add_argument("--int", dest="fp16", action="store_false", help="integer precision (QDQ models)")
     args = parser.parse_args(argv)
     pairs = json.loads(args.pairs)
-    result: dict[str, Any] = {"ok": False, "done": []}
+    result: dict[str, Any] = {"ok": False, "done": [], "facts": {}}
 
     def write() -> None:  # progress survives a crash of the next step
         Path(args.result).write_text(json.dumps(result))
@@ -80,10 +83,20 @@ def _child(argv: list[str] | None = None) -> int:
         shared = {} if args.separate else _share_config(index == len(pairs) - 1)
         options = base if args.separate else {**base, **SHARE_OPTIONS}
         if args.mode == "compile":
+            # every binary in its own file beside the EPContext model: no 2 GB protobuf limit, and
+            # the EPContext model reads in microseconds
             config = {**shared, "ep.context_enable": "1", "ep.context_file_path": compiled,
-                      "ep.context_embed_mode": "1" if args.separate and not args.external else "0"}
+                      "ep.context_embed_mode": "0"}
+            dump = Path(args.facts) / str(index) if args.facts else None
+            if dump is not None:
+                options = {**options, "dump_json_qnn_graph": "1", "json_qnn_graph_dir": str(dump)}
             htp_session(model, fp16=args.fp16, extra_options=options, session_config=config, optimize=False)
-        elif args.mode == "run":
+            if dump is not None:
+                summary = context_summary(compiled)
+                result["facts"][Path(compiled).name] = {
+                    "qnn_partitions": summary["epcontext_nodes"], "cpu_nodes": summary["other_nodes"],
+                    "qnn_ops": parse_qnn_graph_dir(dump).get("total")}
+        else:
             result["stage"] = "session"
             write()
             sess = htp_session(compiled, fp16=args.fp16, extra_options=options, session_config=shared,
@@ -91,16 +104,6 @@ def _child(argv: list[str] | None = None) -> int:
             result["stage"] = "run"
             write()
             sess.run(None, _zero_inputs(sess))
-        else:
-            work = Path(compiled)
-            work.mkdir(parents=True, exist_ok=True)
-            options = {**base, "dump_json_qnn_graph": "1", "json_qnn_graph_dir": str(work / "qnn_graph")}
-            sess = htp_session(model, fp16=args.fp16, extra_options=options, disable_cpu_fallback=True, profiling=True,
-                               profile_prefix=str(work / "profile"), optimize=False)
-            sess.run(None, _zero_inputs(sess))
-            partitions, cpu = parse_profile(sess.end_profiling())
-            result.update(qnn_partitions=partitions, cpu_nodes=len(cpu),
-                          qnn_ops=parse_qnn_graph_dir(work / "qnn_graph").get("total"))
         result["done"].append(Path(compiled).name)
         write()
     result["ok"] = True
@@ -109,17 +112,18 @@ def _child(argv: list[str] | None = None) -> int:
 
 
 def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separate: bool = False,
-               external: bool = False) -> dict[str, Any]:
+               facts: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="qnnpasses_llm_") as tmp:
         args = [mode, "--result", str(Path(tmp) / "result.json"),
                 "--pairs", json.dumps([[str(a), str(b)] for a, b in pairs])]
-        args += ([] if fp16 else ["--int"]) + (["--separate"] if separate else []) + (["--external"] if external else [])
+        args += ([] if fp16 else ["--int"]) + (["--separate"] if separate else [])
+        args += ["--facts", str(Path(tmp) / "qnn_graph")] if facts else []
         child = run_child("qnnpasses.llm.compile", args, Path(tmp) / "result.json")
     result = child.result or {"ok": False, "done": []}
     if not child.ok:
         step = len(result.get("done", []))
         stage = f" ({result['stage']})" if result.get("stage") else ""
-        what = f"{'separate' if separate else 'shared'} {mode}" if mode != "place" else "placement"
+        what = f"{'separate' if separate else 'shared'} {mode}"
         tail = child.stderr_tail if child.returncode and child.returncode > 0 else []
         result.update(ok=False, error=f"{what}: {child.crash or 'failed'} at graph {step + 1} of {len(pairs)}{stage}"
                       + (f" ({tail[0][:200]})" if tail else ""))
@@ -127,10 +131,15 @@ def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separat
 
 
 def probe(model: Path, *, fp16: bool = True) -> dict[str, Any]:
-    """Placement (CPU fallback disabled) and composed QNN op count of ``model``, in a child process."""
+    """Placement (QNN partitions: the EPContext nodes of a compile; CPU nodes: the other nodes)
+    and composed QNN op count of ``model``, compiled in a child process into a temporary folder.
+    Nothing runs: preparing the graph is what the backend must accept."""
     with tempfile.TemporaryDirectory(prefix="qnnpasses_llm_place_") as tmp:
-        result = _run_child("place", [(model, Path(tmp) / "work")], fp16)
-    return {k: result.get(k) for k in ("ok", "error", "qnn_partitions", "cpu_nodes", "qnn_ops")}
+        compiled = Path(tmp) / "probe_ctx.onnx"
+        result = _run_child("compile", [(model, compiled)], fp16, separate=True, facts=True)
+    facts = (result.get("facts") or {}).get(compiled.name, {})
+    return {"ok": bool(result.get("ok")), "error": result.get("error"), **{k: facts.get(k) for k in
+            ("qnn_partitions", "cpu_nodes", "qnn_ops")}}
 
 
 def _remove(paths: list[Path]) -> None:
@@ -140,40 +149,86 @@ def _remove(paths: list[Path]) -> None:
                 stale.unlink()
 
 
-def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_shared: bool = True,
-                   embed: bool = True) -> dict[str, Any]:
-    """Compile each ``(model, compiled)`` pair; one weight-shared context if that runs, else one each
-    (``embed``: each binary inside its EPContext model; else in a ``*_qnn.bin`` file beside it, which
-    is what Genie loads).
+#: the verdict of :func:`backend_shares_weights` per target, for this process
+_SHARING: dict[str, dict[str, Any]] = {}
 
-    Returns ``{"weight_sharing": "shared"|"separate", "shared_probe": {...}, "graphs": {name: summary}}``.
+
+def _toy_pair(folder: Path) -> list[tuple[Path, Path]]:
+    """Two graphs that read the same two 64 x 64 weights, on 8 tokens and on 1 (prefill and
+    decode in miniature), with inline weights."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), f"w{i}")
+               for i in range(2)]
+    pairs = []
+    for name, tokens in (("toy_prefill", 8), ("toy_decode", 1)):
+        nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"]), helper.make_node("MatMul", ["h", "w1"], ["y"])]
+        graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", 1, [1, tokens, 64])],
+                                  [helper.make_tensor_value_info("y", 1, [1, tokens, 64])], weights)
+        path = folder / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        pairs.append((path, folder / f"{name}_ctx.onnx"))
+    return pairs
+
+
+def backend_shares_weights() -> dict[str, Any]:
+    """Whether the backend runs a weight-shared context at all, tried on a toy pair (seconds, in
+    child processes) before a real pair is compiled that way: a backend that cannot create a
+    session on a toy shared context (onnxruntime-qnn 2.7.0's simulated HTP crashes there) cannot
+    on a real one, and the real attempt costs two more compiles of the whole model.  Once per
+    target and process."""
+    from qnnpasses.backends.targets import active
+
+    name = active().name
+    if name not in _SHARING:
+        with tempfile.TemporaryDirectory(prefix="qnnpasses_share_") as tmp:
+            pairs = _toy_pair(Path(tmp))
+            compiled = _run_child("compile", pairs, True)
+            ran = _run_child("run", pairs, True) if compiled.get("ok") else {"ok": False, "error": compiled.get("error")}
+        _SHARING[name] = {"compile": compiled.get("ok", False), "run": ran.get("ok", False), "error": ran.get("error")}
+    return _SHARING[name]
+
+
+def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_shared: bool = True) -> dict[str, Any]:
+    """Compile each ``(model, compiled)`` pair; one weight-shared context if that runs, else one
+    each.  Every context binary is a ``*_qnn.bin`` file beside its EPContext model (what Genie
+    loads, and no 2 GB protobuf limit for the others).
+
+    Returns ``{"weight_sharing": "shared"|"separate", "shared_probe": {...}, "graphs": {name:
+    summary}, "placement": {name: {qnn_partitions, cpu_nodes, qnn_ops}}, "files": [binaries]}``:
+    the placement is the compile's own, so no graph is prepared twice.
     """
     report: dict[str, Any] = {}
     targets = [b for _, b in pairs]
     _remove(targets)
+    result: dict[str, Any] = {"ok": False}
     if try_shared:
-        compiled = _run_child("compile", pairs, fp16)
-        probe_run = _run_child("run", pairs, fp16) if compiled.get("ok") else {"ok": False, "error": compiled.get("error")}
-        report["shared_probe"] = {"compile": compiled.get("ok", False), "run": probe_run.get("ok", False),
-                                  "error": probe_run.get("error")}
-        if probe_run.get("ok"):
-            report["weight_sharing"] = "shared"
-            report["graphs"] = {b.name: context_summary(b) for b in targets}
-            report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
-            return report
-        _remove(targets)
-    report["weight_sharing"] = "separate"
-    from qnnpasses.progress import step
-
-    step(f"compiling {len(pairs)} graph(s) into HTP context binaries")
-    result = _run_child("compile", pairs, fp16, separate=True, external=not embed)
+        toy = backend_shares_weights()
+        if toy["run"]:
+            result = _run_child("compile", pairs, fp16, facts=True)
+            ran = _run_child("run", pairs, fp16) if result.get("ok") else {"ok": False, "error": result.get("error")}
+            report["shared_probe"] = {"on": "this pair", "compile": result.get("ok", False),
+                                      "run": ran.get("ok", False), "error": ran.get("error")}
+            if not ran.get("ok"):
+                result = {"ok": False}
+                _remove(targets)
+        else:
+            report["shared_probe"] = {"on": "a toy pair (two graphs reading two 64x64 weights)", **toy}
+    report["weight_sharing"] = "shared" if result.get("ok") else "separate"
     if not result.get("ok"):
-        from qnnpasses.errors import CheckFailedError
+        from qnnpasses.progress import step
 
-        raise CheckFailedError(f"compiling for the HTP failed: {result.get('error')}")
+        step(f"compiling {len(pairs)} graph(s) into HTP context binaries")
+        result = _run_child("compile", pairs, fp16, separate=True, facts=True)
+        if not result.get("ok"):
+            from qnnpasses.errors import CheckFailedError
+
+            raise CheckFailedError(f"compiling for the HTP failed: {result.get('error')}")
     report["graphs"] = {b.name: context_summary(b) for b in targets}
-    if not embed:
-        report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
+    report["placement"] = result.get("facts", {})
+    report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
     return report
 
 

@@ -15,12 +15,14 @@ original export:
    ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in fp16 mode) and
    ``logits-offset`` on the logits output (unless ``logits_offset`` is off: the logits relative
    to their row's maximum, subtracted before the lm_head's fp16 rounding, plus that maximum as
-   ``<logits>_offset``; the manifest's ``logits_offset`` role names it);
+   ``<logits>_offset``; the manifest's ``logits_offset`` role names it) and ``tied-embedding``
+   (a tied token embedding read from the lm_head's weight, so the bundle stores the table once);
 3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
    decode steps (the static graph with a padded cache must compute what the original computes
    with the unpadded one);
 4. optionally a split into consecutive parts and quantization;
-5. compilation to EPContext models (weight-shared if the backend can run that, else separate).
+5. every graph's weights in one file (:data:`WEIGHTS_FILE`), each distinct tensor once;
+6. compilation to EPContext models (weight-shared if the backend can run that, else separate).
 
 Why a static cache of P slots is exact: with the past fixed at P, the export's causal mask puts
 the new tokens at key slots P..P+S-1 and lets every query see all P past slots; the
@@ -83,10 +85,12 @@ PRECISIONS = ("fp16", "w8a16", "w4a16")
 
 def fp16_passes(logits: str, logits_offset: bool = True) -> Pipeline:
     """What an fp16 pair gets after htp-llm: :data:`FP16_PIPELINE`, then (with ``logits_offset``)
-    ``logits-offset`` on the output named ``logits``."""
+    ``logits-offset`` on the output named ``logits``, then ``tied-embedding``.  (Quantized pairs do
+    not share the table: the lm_head's weight is quantized for the lm_head, not for the lookup.)"""
     pipeline = parse_pipeline(FP16_PIPELINE)
     if logits_offset:
         pipeline.items.append(get_pass(LOGITS_OFFSET)(output=logits))
+    pipeline.items.append(get_pass("tied-embedding")())
     return pipeline
 
 
@@ -103,6 +107,12 @@ _DTYPES = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np
 BUNDLES = ("qnnpasses", "genai", "genie")
 #: the bundles other runtimes load: a uint8 cache with the key transposed, plain logits
 FOREIGN = ("genai", "genie")
+#: the one external-data file every graph of a bundle reads (:func:`_share_weights`)
+WEIGHTS_FILE = "weights.data"
+#: The default ``--max-part-bytes``, counted on the HTP (:func:`_part_budgets`).  The HTP is a
+#: 32-bit processor: one context's weights, activations, I/O buffers and spill-fill share a 4 GiB
+#: address space (ExecuTorch's Qualcomm LLM guide shards models that exceed it); a part may hold half.
+DEFAULT_PART_BYTES = 2 << 30
 
 
 @dataclass
@@ -327,6 +337,12 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
         if _static_dim(getattr(roles, what)) is None:
             raise BadInputError(f"the KV cache's {what} is not a static dimension")
     _require_precision(options.precision)
+    if options.bundle == "genie":  # the export's weights in fp16 tell now what the graphs will hold
+        from qnnpasses.llm.footprint import weight_bytes
+
+        held = weight_bytes(model, float_bytes=2)
+        if held > DEFAULT_PART_BYTES:
+            _refuse_genie_parts(held)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -355,7 +371,7 @@ def _remove_previous_pair(out_dir: Path) -> None:
     """Files an earlier ``qnnpasses llm`` wrote into ``out_dir`` (it has an llm.json): no stale parts stay."""
     if not (out_dir / "llm.json").is_file():
         return
-    for pattern in ("prefill*.onnx*", "decode*.onnx*", "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
+    for pattern in ("prefill*.onnx*", "decode*.onnx*", WEIGHTS_FILE, "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
                     "report.md", "genai_config.json", "genie_config.json", "htp_backend_ext_config.json",
                     TOKENIZER_FILE, *COMPANION_FILES):
         for path in out_dir.glob(pattern):
@@ -418,10 +434,13 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
 
         report["quantization"] = quantize_pair(stage, manifest, options)
         report["quantized_verification"] = _verify(stage, manifest, model, options, tolerance=None)
-    if options.parts is not None or options.max_part_bytes is not None:
+    budgets = _part_budgets(stage, manifest, options)
+    if budgets is not None:
+        report["split"] = {"parts": options.parts, "max_part_bytes": options.max_part_bytes or DEFAULT_PART_BYTES,
+                           "default": options.parts is None and options.max_part_bytes is None}
         for name in spec:
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
-            entries = _split(stage, ir, name, manifest["graphs"][name], options)
+            entries = _split(stage, ir, name, manifest["graphs"][name], options.parts, budgets[name])
             manifest["graphs"][name]["parts"] = entries
         if foreign:  # the 8-bit pair is measured, not bounded: its parts must measure what it measured
             report["parts_verification"] = _same_as_whole(_verify(stage, manifest, model, options, tolerance=None),
@@ -429,25 +448,26 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         else:
             report["parts_verification"] = _verify(stage, manifest, model, options,
                                                    tolerance=CPU_TOLERANCE if options.precision == "fp16" else None)
+    report["weights_file"] = _share_weights(stage)
     from qnnpasses.backends.htp import htp_available
     from qnnpasses.llm.report import graph_facts
 
-    report["htp"] = graph_facts(stage, manifest, probe=options.probe and htp_available(), fp16=options.precision == "fp16")
+    placement = None
     if options.compile:
         from qnnpasses.llm.compile import compile_graphs
 
         pairs = [(stage / p["onnx"], stage / p["onnx"].replace(".onnx", "_ctx.onnx"))
                  for name in spec for p in manifest["graphs"][name]["parts"]]
-        # Genie loads the context binaries themselves: they stay files beside the EPContext models
-        compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared,
-                                  embed=options.bundle != "genie")
+        compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared)
         for name in spec:
             for part in manifest["graphs"][name]["parts"]:
                 part["compiled"] = part["onnx"].replace(".onnx", "_ctx.onnx")
-                if options.bundle == "genie":
-                    part["binaries"] = compiled["graphs"][part["compiled"]].get("binaries", [])
+                part["binaries"] = compiled["graphs"][part["compiled"]].get("binaries", [])
         manifest["weight_sharing"] = compiled["weight_sharing"]
         report["compile"] = compiled
+        placement = compiled["placement"]
+    report["htp"] = graph_facts(stage, manifest, probe=options.probe and htp_available(),
+                                fp16=options.precision == "fp16", placement=placement)
     from qnnpasses.llm.footprint import footprint
 
     manifest["device"] = report["device"] = footprint(stage, manifest, active_target())
@@ -459,6 +479,14 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if options.bundle == "genie":
         report["bundle"].update(_genie_configs(stage, manifest))
     return manifest, report
+
+
+def _share_weights(stage: Path) -> dict[str, Any]:
+    """Every graph of the bundle (parts, float graphs of a quantized pair) reads its weights from
+    one file, :data:`WEIGHTS_FILE`, in which each distinct tensor is stored once."""
+    from qnnpasses.ir.shared_data import share_external_data
+
+    return share_external_data(sorted(stage.glob("*.onnx")), WEIGHTS_FILE).as_dict()
 
 
 def _genie_configs(stage: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -541,12 +569,42 @@ def _same_as_whole(parts: dict[str, Any], whole: dict[str, Any]) -> dict[str, An
     return {**parts, "ok": True, "against": "the unsplit pair"}
 
 
-def _split(stage: Path, ir: IRModel, name: str, manifest_graph: dict[str, Any], options: LlmOptions) -> list[dict[str, Any]]:
+def _refuse_genie_parts(held: int) -> None:
+    raise BadInputError(f"a graph holds {held / 2**30:.2f} GiB on the HTP, more than one part may "
+                        f"({DEFAULT_PART_BYTES / 2**30:.0f} GiB), and Genie bundles cannot be split yet: Genie orders "
+                        "a graph's parts by their graph names, which onnxruntime-qnn does not let us choose")
+
+
+def _part_budgets(stage: Path, manifest: dict[str, Any], options: LlmOptions) -> dict[str, int | None] | None:
+    """Per graph, the ``max_part_bytes`` to split it with, in its stored bytes; None: no split.
+
+    ``--max-part-bytes`` (default :data:`DEFAULT_PART_BYTES`) counts bytes on the HTP -- weights in
+    the dtype the HTP holds them in (fp16 pairs: 2 bytes per float) plus peak live activations --
+    and is scaled here by each graph's stored / HTP weight bytes.  Without ``--parts`` or
+    ``--max-part-bytes`` the graphs are split only where one holds more than the default."""
+    from qnnpasses.llm.footprint import weight_bytes
+
+    fp16 = options.precision == "fp16"
+    paths = {name: stage / graph["parts"][0]["onnx"] for name, graph in manifest["graphs"].items()}
+    sizes = {name: (weight_bytes(p), weight_bytes(p, float_bytes=2 if fp16 else None)) for name, p in paths.items()}
+    if options.parts is not None:
+        return {name: None for name in paths}
+    budget = options.max_part_bytes or DEFAULT_PART_BYTES
+    if options.max_part_bytes is None and all(held <= budget for _, held in sizes.values()):
+        return None
+    if options.bundle == "genie":
+        _refuse_genie_parts(max(held for _, held in sizes.values()))
+    return {name: int(budget * stored / held) if held else budget for name, (stored, held) in sizes.items()}
+
+
+def _split(stage: Path, ir: IRModel, name: str, manifest_graph: dict[str, Any], parts: int | None,
+           max_part_bytes: int | None) -> list[dict[str, Any]]:
     from qnnpasses.llm.split import write_parts
 
     stream = manifest_graph["roles"]["input_ids"]
-    entries = write_parts(ir, stage, name, stream, parts=options.parts, max_part_bytes=options.max_part_bytes)
-    (stage / f"{name}.onnx").unlink()
+    entries = write_parts(ir, stage, name, stream, parts=parts, max_part_bytes=max_part_bytes)
+    for whole in (stage / f"{name}.onnx", stage / f"{name}.onnx.data"):
+        whole.unlink(missing_ok=True)
     return entries
 
 

@@ -57,8 +57,8 @@ in the last past slots, the first chunk padded at its start; :mod:`qnnpasses.llm
 [per layer], "value_scales": [...]}`` (:mod:`qnnpasses.llm.kv_layout`); Genie bundles
 (:mod:`qnnpasses.llm.genie`): ``rope`` ``{"theta", "dim"}`` (also per graph) -- the rotary cos/sin
 the graphs take as inputs, roles ``position_cos`` / ``position_sin`` naming them (``position_ids``
-null) and ``attention_mask`` ``[1, S, P + S]`` the whole additive mask (:mod:`qnnpasses.llm.feed`),
-per part ``binaries`` -- the context binary files the compiled model references;
+null) and ``attention_mask`` ``[1, S, P + S]`` the whole additive mask (:mod:`qnnpasses.llm.feed`);
+per part ``binaries`` -- the context binary files the compiled model references (every bundle);
 ``tokenizer.adds_bos`` -- whether the tokenizer puts BOS before text; per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
 ``{"graph_optimization": "disable_all"}`` -- the compiled models were made, and the graphs
 probed, with onnxruntime's graph optimizations off; a runner creating HTP sessions on the

@@ -41,9 +41,12 @@ def analyze_kv(path: str | Path, context: int) -> dict[str, Any]:
     return {k: report.get(k) for k in ("layers", "kv_heads", "head_dim", "context", "bytes_fp32", "bytes_fp16")}
 
 
-def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = True, fp16: bool = True) -> dict[str, Any]:
-    """Per graph: placement (CPU fallback disabled) and composed QNN ops from a child-process
-    session on the HTP, node count, KV-cache bytes and ``analyze``'s figure."""
+def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = True, fp16: bool = True,
+                placement: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per graph: placement and composed QNN ops on the HTP, node count, KV-cache bytes and
+    ``analyze``'s figure.  ``placement``: what the compile found, by compiled file name
+    (:func:`qnnpasses.llm.compile.compile_graphs`); else, with ``probe``, each part is compiled
+    into a temporary folder to find it."""
     import onnx
 
     folder = Path(folder)
@@ -54,7 +57,9 @@ def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = T
             path = folder / part["onnx"]
             proto = onnx.load(str(path), load_external_data=False)
             item: dict[str, Any] = {"onnx": part["onnx"], "nodes": len(proto.graph.node)}
-            if probe:
+            if placement is not None and part.get("compiled") in placement:
+                item.update(ok=True, error=None, **placement[part["compiled"]])
+            elif probe:
                 from qnnpasses.llm.compile import probe as probe_graph
 
                 item.update(probe_graph(path, fp16=fp16))
@@ -64,7 +69,7 @@ def graph_facts(folder: str | Path, manifest: dict[str, Any], *, probe: bool = T
         # analyze reads past inputs as [1, heads, slots, head_dim]: not the transposed layouts
         if len(graph["parts"]) == 1 and set((manifest.get("kv_layout") or {"key": "BHSD"}).values()) == {"BHSD"}:
             entry["analyze"] = analyze_kv(folder / graph["parts"][0]["onnx"], manifest["context"])
-        if probe:
+        if probe or placement is not None:
             entry["qnn_ops"] = sum(p.get("qnn_ops") or 0 for p in entry["parts"])
         facts[name] = entry
     facts["expected_kv_cache_bytes"] = expected_kv_bytes(manifest, _BYTES.get(manifest["kv_dtype"], 4))
@@ -115,8 +120,9 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
                      f"{q.get('shared_tensors')} tensors with one shared encoding.")
     probe = (report.get("compile") or {}).get("shared_probe")
     if probe:
-        lines.append(f"Weight-shared context: compile {'ok' if probe['compile'] else 'failed'}, run "
-                     f"{'ok' if probe['run'] else 'failed'}" + (f" ({probe['error']})" if probe.get("error") else "") + ".")
+        lines.append(f"Weight-shared context, tried on {probe.get('on', 'this pair')}: compile "
+                     f"{'ok' if probe['compile'] else 'failed'}, run {'ok' if probe['run'] else 'failed'}"
+                     + (f" ({probe['error']})" if probe.get("error") else "") + ".")
     memory = report.get("memory")
     if memory:
         lines.append(f"Built in {report.get('seconds', 0):.0f} s from {fmt_bytes(memory['export_weight_bytes'])} of "
@@ -174,5 +180,6 @@ def graphs_section(rows: list[dict[str, Any]]) -> str:
                        "child process before it is used:"), ""]
         for export, probe in probes:
             outcome = "runs" if probe["run"] else f"falls back to separate contexts: {probe.get('error')}"
-            lines.append(f"- {export}: shared compile {'ok' if probe['compile'] else 'failed'}; {outcome}")
+            lines.append(f"- {export}: shared compile {'ok' if probe['compile'] else 'failed'} "
+                         f"(on {probe.get('on', 'this pair')}); {outcome}")
     return "\n".join(lines) + "\n"
