@@ -221,11 +221,14 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
         from qnnpasses.progress import step
 
         step(f"compiling {len(pairs)} graph(s) into HTP context binaries")
-        result = _run_child("compile", pairs, fp16, separate=True, facts=True)
-        if not result.get("ok"):
-            from qnnpasses.errors import CheckFailedError
+        result = {"ok": True, "facts": {}}
+        for pair in pairs:  # one child each: the backend's memory is bounded by one graph, not the sum
+            one = _run_child("compile", [pair], fp16, separate=True, facts=True)
+            if not one.get("ok"):
+                from qnnpasses.errors import CheckFailedError
 
-            raise CheckFailedError(f"compiling for the HTP failed: {result.get('error')}")
+                raise CheckFailedError(f"compiling {pair[0].name} for the HTP failed: {one.get('error')}")
+            result["facts"].update(one.get("facts") or {})
     report["graphs"] = {b.name: context_summary(b) for b in targets}
     report["placement"] = result.get("facts", {})
     report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
