@@ -194,6 +194,15 @@ def test_device_footprint_and_the_bandwidth_ceiling(tmp_path):
     assert target.memory_bytes_per_second == 10600e6 * 8
     assert device["decode_tokens_per_second_ceiling"] == round(target.memory_bytes_per_second / read, 1)
     assert device["device_bytes"] == fp16_bytes("decode.onnx") + fp16_bytes("prefill.onnx") + per_token * 64
+    # every target of known bandwidth: the same bytes over its bandwidth; a prefill call reads the
+    # prefill graph's weights and all 64 slots (56 cached + 8 new)
+    prefill_read = fp16_bytes("prefill.onnx") + per_token * 64
+    assert device["prefill_call_read_bytes"] == prefill_read
+    known = [t for t in TARGETS if t.memory_bytes_per_second]
+    assert [r["target"] for r in device["ceilings"]] == [t.name for t in known] and len(known) >= 4
+    for row, t in zip(device["ceilings"], known):
+        assert row["decode_tokens_per_second"] == round(t.memory_bytes_per_second / read, 1)
+        assert row["prefill_call_seconds"] == round(prefill_read / t.memory_bytes_per_second, 5)
 
 
 def test_docs_targets_md_is_rendered_from_what_the_tool_measured():

@@ -113,7 +113,7 @@ def render_text(manifest: dict) -> str:
 
 
 def render_device(device: dict, target: dict) -> str:
-    from qnnpasses.units import fmt_bytes
+    from qnnpasses.units import fmt_bytes, fmt_seconds
 
     weights = " + ".join(f"{fmt_bytes(g['compiled_bytes'] or g['weight_bytes'])} ({name})"
                          for name, g in device["graphs"].items())
@@ -125,4 +125,9 @@ def render_device(device: dict, target: dict) -> str:
                  f"{device['memory_bytes_per_second'] / 1e9:.1f} GB/s")
     else:
         line += f" (the {target.get('product')}'s memory bandwidth is not known here)"
+    rows = device.get("ceilings") or []
+    if rows:
+        line += ("\n  memory-bandwidth ceilings: " + "; ".join(
+            f"{r['product']} {r['decode_tokens_per_second']:.1f} tokens/s, prefill call >= "
+            f"{fmt_seconds(r['prefill_call_seconds'])}" for r in rows))
     return line

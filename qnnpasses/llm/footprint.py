@@ -12,7 +12,9 @@ bit width (int4 at half a byte).  When the graphs were compiled, their context b
 graph's weights (a table that a Gather and a MatMul share can be stored twice,
 ``passes/fold/tied_embedding.py``).  ``weights_from`` says which was counted.  ``device_bytes`` is
 what the device holds at once: each graph's weights (the pair's contexts are separate unless
-``weight_sharing`` is ``shared``) plus the KV cache.
+``weight_sharing`` is ``shared``) plus the KV cache.  A prefill call reads the prefill graph's
+weights and the cache in the same way, so the bandwidth also bounds the time to first token from
+below: ``ceilings`` gives both for every target whose bandwidth is known.
 """
 
 from __future__ import annotations
@@ -86,4 +88,26 @@ def footprint(folder: str | Path, manifest: dict[str, Any], target: Any) -> dict
     }
     if target.memory_bytes_per_second:
         result["decode_tokens_per_second_ceiling"] = round(target.memory_bytes_per_second / read, 1)
+    prefill = manifest["graphs"]["prefill"]
+    prefill_read = held["prefill"] + per_slot * (int(prefill["past"]) + int(prefill["tokens"]))
+    result["prefill_call_read_bytes"] = prefill_read
+    result["ceilings"] = ceilings(read, prefill_read)
     return result
+
+
+def ceilings(decode_read: int, prefill_read: int) -> list[dict[str, Any]]:
+    """For every target whose memory bandwidth is known: the decode tokens per second and the
+    shortest prefill call (hence time to first token, one call per ``prefill`` prompt tokens) that
+    its bandwidth allows for these bytes.  Memory only: compute is not bounded here, as Qualcomm
+    publishes no fp16 rate for these HTPs.  The bytes are this bundle's (its contexts were compiled
+    for one target; another target's differ little)."""
+    from qnnpasses.backends.targets import TARGETS
+
+    rows = []
+    for target in TARGETS:
+        rate = target.memory_bytes_per_second
+        if rate:
+            rows.append({"target": target.name, "product": target.product, "memory_bytes_per_second": rate,
+                         "decode_tokens_per_second": round(rate / decode_read, 1),
+                         "prefill_call_seconds": round(prefill_read / rate, 5)})
+    return rows

@@ -43,7 +43,8 @@ index (attention order) -> window for the local layers, whose masks follow the t
 ``device`` -- what the bundle asks of the device (:mod:`qnnpasses.llm.footprint`): per graph
 ``weight_bytes`` (in the HTP's dtype) and ``compiled_bytes``, ``kv_cache_bytes``,
 ``device_bytes``, ``decode_step_read_bytes`` and the ``decode_tokens_per_second_ceiling`` the
-target's memory bandwidth allows; ``target`` -- the device the graphs were probed and compiled for (``qnnpasses llm --soc``):
+target's memory bandwidth allows, ``prefill_call_read_bytes`` and ``ceilings`` (per target of
+known bandwidth: ``decode_tokens_per_second``, ``prefill_call_seconds``); ``target`` -- the device the graphs were probed and compiled for (``qnnpasses llm --soc``):
 ``{"name", "part", "product", "soc_model", "htp_arch": "vNN"}``; a runner on the HTP names it
 too; ``tokenizer`` -- present when the bundle holds the model's tokenizer (``qnnpasses llm`` copies
 ``tokenizer.json`` and its companions from the model's folder or ``--tokenizer-dir DIR``):
