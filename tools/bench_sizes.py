@@ -21,6 +21,7 @@ merged with earlier runs) and ``docs/bench_sizes.md``, written from the JSON.
 
     python tools/bench_sizes.py --shapes qwen2.5-0.5b                   # fp16, context 4096
     python tools/bench_sizes.py --shapes qwen2.5-0.5b --precision w4a16
+    python tools/bench_sizes.py --shapes qwen2.5-0.5b --max-part-bytes 512M  # parts: less build memory
     python tools/bench_sizes.py --doc-only                              # rewrite the .md
 """
 
@@ -109,13 +110,15 @@ def weight_bytes_on_disk(onnx_path: Path) -> int:
 
 
 def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision: str,
-          compile_: bool) -> dict:
+          compile_: bool, max_part_bytes: str | None = None) -> dict:
     """Run ``qnnpasses llm`` in a child; wall time, the kernel's peak RSS of the child tree."""
     command = [sys.executable, "-c", "import sys; from qnnpasses.cli import main; sys.exit(main())", "llm",
                str(onnx_path), "--out-dir", str(out_dir), "--context", str(context), "--prefill", str(prefill),
                "--precision", precision, "--format", "json"]
     if not compile_:
         command.append("--no-compile")
+    if max_part_bytes:
+        command += ["--max-part-bytes", max_part_bytes]
     started = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     run = subprocess.run(command, capture_output=True, text=True)
@@ -142,13 +145,14 @@ def bundle_figures(out_dir: Path) -> dict:
             "seconds": report.get("seconds")}
 
 
-def measure(shape: str, context: int, prefill: int, precision: str, compile_: bool, keep: Path | None) -> dict:
+def measure(shape: str, context: int, prefill: int, precision: str, compile_: bool, keep: Path | None,
+            max_part_bytes: str | None = None) -> dict:
     onnx_path, facts = export(shape)
     entry = {"shape": shape, "precision": precision, "context": context, "prefill": prefill, "compiled": compile_,
-             **facts, "export_bytes": weight_bytes_on_disk(onnx_path)}
+             "max_part_bytes": max_part_bytes, **facts, "export_bytes": weight_bytes_on_disk(onnx_path)}
     with tempfile.TemporaryDirectory(prefix="bench_sizes.") as tmp:
         out_dir = keep or Path(tmp) / "bundle"
-        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_))
+        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_, max_part_bytes))
         if entry["exit"] == 0:
             entry.update(bundle_figures(out_dir))
     return entry
@@ -158,7 +162,8 @@ def measure(shape: str, context: int, prefill: int, precision: str, compile_: bo
 
 
 def key(entry: dict) -> tuple:
-    return (entry["shape"], entry["precision"], entry["context"], entry["prefill"], entry["compiled"])
+    return (entry["shape"], entry["precision"], entry["context"], entry["prefill"], entry["compiled"],
+            entry.get("max_part_bytes") or "")
 
 
 def merge(entries: list[dict]) -> dict:
@@ -178,17 +183,18 @@ def write_markdown(doc: dict) -> str:
              "Written by `python tools/bench_sizes.py` from `docs/bench_sizes.json`.  Random-init models with "
              "the published shapes (tied embeddings as in the originals), transformers' default attention, "
              "exported by TorchScript with a dynamic KV cache, float32.  Peak memory: the build's sampled "
-             f"private memory and the kernel's resident peak of the whole build (largest process); "
+             "private memory, the largest compile child's (QNN preparing one graph or part), and the kernel's "
+             "resident peak of the whole build (largest process, mapped weight files included); "
              f"{doc['machine']['cpus']} CPUs.  GiB throughout.", "",
              "| shape | params | precision | context / prefill | compiled | parts | wall min | export GiB | private peak "
-             "| resident peak | peak / export | bundle GiB | .onnx weights / params (fp32) | device GiB "
+             "| compile child private peak | resident peak | peak / export | bundle GiB | .onnx weights / params (fp32) | device GiB "
              "| device / params (fp16) | decode step reads |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in sorted(doc["entries"], key=key):
         if e["exit"] != 0:
             lines.append(f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / "
                          f"{e['prefill']} | {'yes' if e['compiled'] else 'no'} | | {e['wall_seconds'] / 60:.1f} | "
-                         f"{gib(e['export_bytes'])} | failed: {e.get('error', '?')} | | | | | | | | |")
+                         f"{gib(e['export_bytes'])} | failed: {e.get('error', '?')} | | | | | | | | | |")
             continue
         memory, device = e.get("memory") or {}, e.get("device") or {}
         resident = max(filter(None, [memory.get("resident_peak_bytes"), e.get("tree_resident_peak_bytes")]), default=0)
@@ -200,8 +206,10 @@ def write_markdown(doc: dict) -> str:
         device_ratio = f"{held / params_fp16:.2f}×" if held else "-"
         lines.append(
             f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / {e['prefill']} | "
-            f"{'yes' if e['compiled'] else 'no'} | {max(parts.values()) if parts else '-'} | "
+            f"{'yes' if e['compiled'] else 'no'} | {max(parts.values()) if parts else '-'}"
+            f"{' (≤ ' + e['max_part_bytes'] + ')' if e.get('max_part_bytes') else ''} | "
             f"{e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
+            f"{gib(memory.get('compile_private_peak_bytes'))} | "
             f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
             f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
     return "\n".join(lines) + "\n"
@@ -214,13 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=128)
     parser.add_argument("--precision", choices=("fp16", "w8a16", "w4a16"), default="fp16")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--max-part-bytes", metavar="SIZE", help="passed on to qnnpasses llm (default: its own)")
     parser.add_argument("--keep", type=Path, help="write the bundle here instead of a temporary folder")
     parser.add_argument("--doc-only", action="store_true", help="rewrite docs/bench_sizes.md from the JSON")
     args = parser.parse_args(argv)
     if not args.doc_only:
         entries = []
         for shape in args.shapes:
-            entry = measure(shape, args.context, args.prefill, args.precision, not args.no_compile, args.keep)
+            entry = measure(shape, args.context, args.prefill, args.precision, not args.no_compile, args.keep,
+                            args.max_part_bytes)
             print(json.dumps({k: v for k, v in entry.items() if k != "files"}), flush=True)
             entries.append(entry)
         DOC_JSON.write_text(json.dumps(merge(entries), indent=1) + "\n")

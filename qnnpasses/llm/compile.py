@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from qnnpasses.backends.child import run_child
+from qnnpasses.memory import PeakMemory
 from qnnpasses.handoff.epcontext import context_summary
 
 SHARE_OPTIONS = {"enable_htp_weight_sharing": "1"}
@@ -59,10 +60,8 @@ def _zero_inputs(sess) -> dict[str, np.ndarray]:
 
 def _child(argv: list[str] | None = None) -> int:
     """Modes: ``compile`` each model (shared context unless ``--separate``; with ``--facts DIR``
-    also dump each composed QNN graph there and record its placement), ``run`` the compiled models."""
-    from qnnpasses.backends.htp import htp_session, parse_qnn_graph_dir
-    from qnnpasses.handoff.epcontext import context_summary
-
+    also dump each composed QNN graph there and record its placement), ``run`` the compiled models.
+    The result also gives the child's sampled peak private memory (the backend's own)."""
     parser = argparse.ArgumentParser(prog="python -m qnnpasses.llm.compile")
     parser.add_argument("mode", choices=("compile", "run"))
     parser.add_argument("--pairs", required=True, help="JSON list of [model, compiled] paths")
@@ -79,6 +78,18 @@ def _child(argv: list[str] | None = None) -> int:
 
     write()
     base = {} if args.fp16 else dict(INT_OPTIONS)
+    with PeakMemory() as peak:
+        _compile_or_run(args, pairs, base, result, write)
+    result["private_peak_bytes"] = peak.private_peak
+    result["ok"] = True
+    write()
+    return 0
+
+
+def _compile_or_run(args, pairs, base, result, write) -> None:
+    from qnnpasses.backends.htp import htp_session, parse_qnn_graph_dir
+    from qnnpasses.handoff.epcontext import context_summary
+
     for index, (model, compiled) in enumerate(pairs):
         shared = {} if args.separate else _share_config(index == len(pairs) - 1)
         options = base if args.separate else {**base, **SHARE_OPTIONS}
@@ -106,9 +117,6 @@ def _child(argv: list[str] | None = None) -> int:
             sess.run(None, _zero_inputs(sess))
         result["done"].append(Path(compiled).name)
         write()
-    result["ok"] = True
-    write()
-    return 0
 
 
 def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separate: bool = False,
@@ -197,8 +205,9 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
     loads, and no 2 GB protobuf limit for the others).
 
     Returns ``{"weight_sharing": "shared"|"separate", "shared_probe": {...}, "graphs": {name:
-    summary}, "placement": {name: {qnn_partitions, cpu_nodes, qnn_ops}}, "files": [binaries]}``:
-    the placement is the compile's own, so no graph is prepared twice.
+    summary}, "placement": {name: {qnn_partitions, cpu_nodes, qnn_ops}}, "files": [binaries],
+    "child_private_peak_bytes": the largest compile child's sampled private memory}``: the
+    placement is the compile's own, so no graph is prepared twice.
     """
     report: dict[str, Any] = {}
     targets = [b for _, b in pairs]
@@ -221,7 +230,7 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
         from qnnpasses.progress import step
 
         step(f"compiling {len(pairs)} graph(s) into HTP context binaries")
-        result = {"ok": True, "facts": {}}
+        result = {"ok": True, "facts": {}, "private_peak_bytes": 0}
         for pair in pairs:  # one child each: the backend's memory is bounded by one graph, not the sum
             one = _run_child("compile", [pair], fp16, separate=True, facts=True)
             if not one.get("ok"):
@@ -229,8 +238,10 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
 
                 raise CheckFailedError(f"compiling {pair[0].name} for the HTP failed: {one.get('error')}")
             result["facts"].update(one.get("facts") or {})
+            result["private_peak_bytes"] = max(result["private_peak_bytes"], one.get("private_peak_bytes") or 0)
     report["graphs"] = {b.name: context_summary(b) for b in targets}
     report["placement"] = result.get("facts", {})
+    report["child_private_peak_bytes"] = result.get("private_peak_bytes")
     report["files"] = sorted(p.name for p in targets[0].parent.glob("*_qnn.bin"))
     return report
 

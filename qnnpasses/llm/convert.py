@@ -349,7 +349,8 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
         with PeakMemory() as peak:
             manifest, report = _build_into(stage, model, source, roles, options, given, text_dir)
         report["seconds"] = round(time.monotonic() - start, 2)
-        report["memory"] = {**peak.figures(), "export_weight_bytes": source.weight_bytes()}
+        report["memory"] = {**peak.figures(), "export_weight_bytes": source.weight_bytes(),
+                            "compile_private_peak_bytes": (report.get("compile") or {}).get("child_private_peak_bytes")}
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         from qnnpasses.llm.report import report_markdown
 

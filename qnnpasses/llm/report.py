@@ -128,7 +128,9 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
         lines.append(f"Built in {report.get('seconds', 0):.0f} s from {fmt_bytes(memory['export_weight_bytes'])} of "
                      f"export weights: peak private memory {fmt_bytes(memory['private_peak_bytes'])}; peak resident "
                      f"{fmt_bytes(memory['resident_peak_bytes'])}, largest child process "
-                     f"{fmt_bytes(memory['child_resident_peak_bytes'])} (resident counts mapped weight files).")
+                     f"{fmt_bytes(memory['child_resident_peak_bytes'])} (resident counts mapped weight files)"
+                     + (f"; the largest compile child's peak private memory {fmt_bytes(compiling)}"
+                        if (compiling := memory.get("compile_private_peak_bytes")) else "") + ".")
     if report.get("htp"):
         lines += ["", graphs_markdown(manifest, report["htp"])]
     return "\n".join(lines) + "\n"
