@@ -140,7 +140,8 @@ def bundle_figures(out_dir: Path) -> dict:
             "parts": {name: len(g["parts"]) for name, g in manifest["graphs"].items()},
             "weights_file": report.get("weights_file"), "weight_sharing": manifest.get("weight_sharing"),
             "device": {k: device.get(k) for k in ("device_bytes", "kv_cache_bytes", "decode_step_read_bytes",
-                                                  "weights_from", "target", "decode_tokens_per_second_ceiling")},
+                                                  "prefill_call_read_bytes", "weights_from", "target",
+                                                  "decode_tokens_per_second_ceiling")},
             "graph_weight_bytes": {name: g.get("weight_bytes") for name, g in (device.get("graphs") or {}).items()},
             "seconds": report.get("seconds")}
 
@@ -212,7 +213,34 @@ def write_markdown(doc: dict) -> str:
             f"{gib(memory.get('compile_private_peak_bytes'))} | "
             f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
             f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
+    lines += ceilings_table(doc)
     return "\n".join(lines) + "\n"
+
+
+def ceilings_table(doc: dict) -> list[str]:
+    """Per build and Snapdragon of known bandwidth: the decode tokens/s and the shortest prefill
+    call its memory bandwidth allows for the bytes the bundle reads (qnnpasses.llm.footprint)."""
+    from qnnpasses.llm.footprint import ceilings
+
+    built = [e for e in sorted(doc["entries"], key=key)
+             if e["exit"] == 0 and (e.get("device") or {}).get("decode_step_read_bytes")]
+    if not built:
+        return []
+    lines = ["", "## What the memory bandwidth allows on each Snapdragon", "",
+             "Ceilings, not measurements: a decode step reads the decode graph's compiled weights and the whole "
+             "KV cache, a prefill call the prefill graph's and the cache, at the SoC's peak LPDDR rate "
+             "(`qnnpasses/backends/targets.py` cites them).  Compute is not bounded here.", "",
+             "| shape | precision | parts | " + " | ".join(r["product"] for r in ceilings(1, 1)) + " |",
+             "|---|---|---:|" + "---:|" * len(ceilings(1, 1))]
+    for e in built:
+        device = e["device"]
+        prefill = device.get("prefill_call_read_bytes")
+        rows = ceilings(device["decode_step_read_bytes"], prefill or 1)
+        cells = [f"{r['decode_tokens_per_second']:.1f} tok/s" + (f", prefill ≥ {r['prefill_call_seconds'] * 1e3:.0f} ms"
+                                                                  if prefill else "") for r in rows]
+        parts = max((e.get("parts") or {"": 1}).values())
+        lines.append(f"| {e['shape']} | {e['precision']} | {parts} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from qnnpasses.backends.child import run_child
-from qnnpasses.memory import PeakMemory
 from qnnpasses.handoff.epcontext import context_summary
+from qnnpasses.memory import PeakMemory
 
 SHARE_OPTIONS = {"enable_htp_weight_sharing": "1"}
 #: integer precision: the HTP takes the boundary Q/DQ too (as qnnpasses.quant.evaluate does)
@@ -88,7 +88,6 @@ def _child(argv: list[str] | None = None) -> int:
 
 def _compile_or_run(args, pairs, base, result, write) -> None:
     from qnnpasses.backends.htp import htp_session, parse_qnn_graph_dir
-    from qnnpasses.handoff.epcontext import context_summary
 
     for index, (model, compiled) in enumerate(pairs):
         shared = {} if args.separate else _share_config(index == len(pairs) - 1)

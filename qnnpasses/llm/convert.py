@@ -372,8 +372,8 @@ def _remove_previous_pair(out_dir: Path) -> None:
     """Files an earlier ``qnnpasses llm`` wrote into ``out_dir`` (it has an llm.json): no stale parts stay."""
     if not (out_dir / "llm.json").is_file():
         return
-    for pattern in ("prefill*.onnx*", "decode*.onnx*", WEIGHTS_FILE, "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json", "report.json",
-                    "report.md", "genai_config.json", "genie_config.json", "htp_backend_ext_config.json",
+    for pattern in ("prefill*.onnx*", "decode*.onnx*", WEIGHTS_FILE, "prefill*_qnn.bin", "decode*_qnn.bin", "llm.json",
+                    "report.json", "report.md", "genai_config.json", "genie_config.json", "htp_backend_ext_config.json",
                     TOKENIZER_FILE, *COMPANION_FILES):
         for path in out_dir.glob(pattern):
             if path.is_file():
@@ -437,8 +437,10 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         report["quantized_verification"] = _verify(stage, manifest, model, options, tolerance=None)
     budgets = _part_budgets(stage, manifest, options)
     if budgets is not None:
-        report["split"] = {"parts": options.parts, "max_part_bytes": options.max_part_bytes or DEFAULT_PART_BYTES,
-                           "default": options.parts is None and options.max_part_bytes is None}
+        by_bytes = options.parts is None
+        report["split"] = {"parts": options.parts,
+                           "max_part_bytes": (options.max_part_bytes or DEFAULT_PART_BYTES) if by_bytes else None,
+                           "default": by_bytes and options.max_part_bytes is None}
         for name in spec:
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
             entries = _split(stage, ir, name, manifest["graphs"][name], options.parts, budgets[name])
