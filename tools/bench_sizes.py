@@ -119,6 +119,8 @@ def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision:
         command.append("--no-compile")
     if max_part_bytes:
         command += ["--max-part-bytes", max_part_bytes]
+    if precision != "fp16":
+        command += ["--calib", str(calibration(onnx_path))]
     started = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     run = subprocess.run(command, capture_output=True, text=True)
@@ -129,6 +131,18 @@ def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision:
     if run.returncode != 0:
         result["error"] = (run.stderr.strip().splitlines() or ["?"])[-1]
     return result
+
+
+def calibration(onnx_path: Path) -> Path:
+    """Seeded random token ids [4, 256] for a quantized build of a random-init model (it has no
+    tokenizer and no text to prefer), written once beside the export."""
+    import numpy as np
+
+    path = onnx_path.with_name("calib.npy")
+    if not path.exists():
+        vocab = SHAPES[onnx_path.parent.name][1]["vocab_size"]
+        np.save(path, np.random.default_rng(0).integers(0, vocab, (4, 256), dtype=np.int64))
+    return path
 
 
 def bundle_figures(out_dir: Path) -> dict:
