@@ -1,8 +1,9 @@
 """``qnnpasses llm``: a HF-style KV-cache decoder export -> a static prefill + decode pair for the HTP.
 
 Writes ``DIR/prefill.onnx``, ``DIR/decode.onnx`` (static shapes, htp-llm applied, the cache
-outside the graph; their weights in ``DIR/weights.data``), their compiled EPContext models, ``DIR/llm.json`` (the manifest a runner
-follows, see :mod:`qnnpasses.llm.manifest`) and ``DIR/report.json`` / ``report.md``.
+outside the graph; their weights in ``DIR/weights.data``), their compiled EPContext models,
+``DIR/llm.json`` (the manifest a runner follows, see :mod:`qnnpasses.llm.manifest`) and
+``DIR/report.json`` / ``report.md``.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def main(args) -> int:
     if not args.out_dir:
         raise BadInputError("llm needs --out-dir DIR (the folder to write the prefill + decode pair into)")
 
+    max_part_bytes = parse_size(args.max_part_bytes) if args.max_part_bytes is not None else None
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
-                     calib=args.calib, parts=args.parts, max_part_bytes=parse_size(args.max_part_bytes) if args.max_part_bytes is not None else None, compile=args.compile,
+                     calib=args.calib, parts=args.parts, max_part_bytes=max_part_bytes, compile=args.compile,
                      logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer,
                      bundle=args.bundle)
     if args.format == "json":
