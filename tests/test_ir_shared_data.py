@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
+from qnnpasses.errors import BadInputError
 from qnnpasses.ir.model import ALIGNMENT
 from qnnpasses.ir.shared_data import share_external_data
 
@@ -76,7 +77,7 @@ def test_a_failure_leaves_the_folder_as_it_was(tmp_path):
     paths = [_save(tmp_path, "prefill", 4, {"w1": W1}), _save(tmp_path, "decode", 1, {"w1": W1, "w2": W2})]
     (tmp_path / "decode.onnx.data").unlink()  # decode's weights are missing
     listing = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    with pytest.raises(OSError):
+    with pytest.raises(BadInputError, match="decode.onnx.data' for tensor 'w1' is missing"):
         share_external_data(paths, "weights.data")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == listing
 

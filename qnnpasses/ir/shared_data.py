@@ -22,7 +22,8 @@ from pathlib import Path
 
 import onnx
 
-from qnnpasses.ir.model import ALIGN_THRESHOLD_BYTES, ALIGNMENT, ExternalSource, _all_initializers, _copy_in_kernel
+from qnnpasses.ir.load import _external_sources
+from qnnpasses.ir.model import ExternalSource, _all_initializers, _external_key, _write_external, source_bytes
 
 _CHUNK = 64 << 20
 
@@ -42,16 +43,6 @@ class SharedData:
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after}
 
 
-def _source(tensor: onnx.TensorProto, folder: Path) -> ExternalSource | None:
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    entries = {e.key: e.value for e in tensor.external_data}
-    path = folder / entries["location"]
-    offset = int(entries.get("offset", 0))
-    length = int(entries["length"]) if "length" in entries else path.stat().st_size - offset
-    return ExternalSource(path, offset, length)
-
-
 def _digest(source: ExternalSource, views: dict[Path, mmap.mmap]) -> bytes:
     if source.length == 0:
         return b""
@@ -65,25 +56,6 @@ def _digest(source: ExternalSource, views: dict[Path, mmap.mmap]) -> bytes:
     return digest.digest()
 
 
-def _append(source: ExternalSource, out) -> int:
-    """Write ``source``'s bytes at the end of ``out`` (aligned when large); returns the offset."""
-    position = out.tell()
-    if source.length >= ALIGN_THRESHOLD_BYTES and position % ALIGNMENT:
-        out.write(b"\0" * (ALIGNMENT - position % ALIGNMENT))
-        position = out.tell()
-    if _copy_in_kernel(source, out) is None:
-        with open(source.path, "rb") as src:
-            src.seek(source.offset)
-            left = source.length
-            while left:
-                chunk = src.read(min(_CHUNK, left))
-                if not chunk:
-                    raise OSError(f"{source.path} ends before the weight it should hold")
-                out.write(chunk)
-                left -= len(chunk)
-    return position
-
-
 def share_external_data(models: list[str | Path], data_name: str) -> SharedData:
     """Point the external initializers of ``models`` (one folder) into ``data_name`` there,
     each distinct tensor once; see the module docstring."""
@@ -92,22 +64,23 @@ def share_external_data(models: list[str | Path], data_name: str) -> SharedData:
     if any(p.parent != folder for p in paths):
         raise ValueError("share_external_data: the models must be in one folder")
     protos = [onnx.load(str(p), load_external_data=False) for p in paths]
-    target = folder / data_name
+    target = (folder / data_name).resolve()
     still_read = _data_files(folder, [p for p in folder.glob("*.onnx") if p not in paths])
     if target in still_read:
         raise ValueError(f"share_external_data: another model of the folder reads {data_name}")
     tmp_data = folder / f".{data_name}.tmp-{os.getpid()}"
     tmp_models = [p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in paths]
     old_files: set[Path] = set()
-    offsets: dict[tuple, tuple[int, int]] = {}  # (dtype, dims, digest) -> (offset, length)
+    written: dict[tuple, list] = {}  # (dtype, dims, digest) -> the external_data entries of its copy
     by_range: dict[ExternalSource, tuple] = {}
     views: dict[Path, mmap.mmap] = {}
     count = before = 0
     try:
         with open(tmp_data, "wb") as out:
-            for proto in protos:
+            for path, proto in zip(paths, protos):
+                sources = _external_sources(proto, folder, path.name)
                 for tensor in _all_initializers(proto.graph):
-                    source = _source(tensor, folder)
+                    source = sources.get(_external_key(tensor))
                     if source is None:
                         continue
                     count += 1
@@ -116,13 +89,12 @@ def share_external_data(models: list[str | Path], data_name: str) -> SharedData:
                     key = by_range.get(source)
                     if key is None:
                         key = by_range[source] = (tensor.data_type, tuple(tensor.dims), _digest(source, views))
-                    if key not in offsets:
-                        offsets[key] = (_append(source, out), source.length)
-                    offset, length = offsets[key]
-                    del tensor.external_data[:]
-                    for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
-                        entry = tensor.external_data.add()
-                        entry.key, entry.value = k, v
+                    if key in written:
+                        del tensor.external_data[:]
+                        tensor.external_data.extend(written[key])
+                    else:
+                        _write_external(tensor, source_bytes(source), out, target, source)
+                        written[key] = list(tensor.external_data)
             after = out.tell()
         for proto, tmp in zip(protos, tmp_models):
             tmp.write_bytes(proto.SerializeToString())
@@ -143,15 +115,10 @@ def share_external_data(models: list[str | Path], data_name: str) -> SharedData:
         os.replace(tmp, path)
     for old in old_files - {target} - still_read:
         old.unlink(missing_ok=True)
-    return SharedData(data_name, count, len(offsets), before, after)
+    return SharedData(data_name, count, len(written), before, after)
 
 
 def _data_files(folder: Path, models: list[Path]) -> set[Path]:
     """The external-data files the other models of the folder read."""
-    files = set()
-    for path in models:
-        for tensor in _all_initializers(onnx.load(str(path), load_external_data=False).graph):
-            source = _source(tensor, folder)
-            if source is not None:
-                files.add(source.path)
-    return files
+    return {source.path for path in models
+            for source in _external_sources(onnx.load(str(path), load_external_data=False), folder, path.name).values()}
