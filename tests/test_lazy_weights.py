@@ -62,3 +62,28 @@ def test_saved_bytes_do_not_depend_on_which_weights_were_read(tmp_path):
     save_model(read, tmp_path / "read" / "m.onnx", external_data=True)
     for name in ("m.onnx", "m.onnx.data"):
         assert (tmp_path / "lazy" / name).read_bytes() == (tmp_path / "read" / name).read_bytes()
+
+
+def test_a_recipe_of_a_small_external_weight_keeps_its_values(tmp_path):
+    """A recipe below the inlining size is still computed when saved (it was once written empty), in
+    the data file or inline (the widening form is tested through ``write_float64``)."""
+    from qnnpasses.ir.model import derived_from
+
+    import onnx
+
+    built = build(LlamaShape(layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=50, seq=8),
+                  tmp_path / "built" / "model.onnx", dtype="float32", weights="random")
+    src = tmp_path / "src.onnx"  # every weight external, the norms' 256 bytes too
+    onnx.save(onnx.load(str(built)), str(src), save_as_external_data=True, location="src.data", size_threshold=0)
+    for external in (True, False):
+        ir = load_model(src)
+        small = [t for t in ir.graph.tensors().values() if isinstance(t, gs.Constant)
+                 and isinstance(t._values, ExternalValues) and t.name.endswith("norm.weight")]
+        assert small and all(t.values.nbytes < 1024 for t in small)
+        want = {t.name: np.asarray(t.values) * 2 for t in small}
+        for t in small:
+            t.values = derived_from(t.values, lambda v: v * 2)
+            assert isinstance(t._values, DerivedValues)
+        out = save_model(ir, tmp_path / str(external) / "model.onnx", external_data=external)
+        saved = {t.name: t.values for t in load_model(out).graph.tensors().values() if t.name in want}
+        assert all(np.array_equal(saved[k], want[k]) for k in want)

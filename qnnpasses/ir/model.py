@@ -109,20 +109,23 @@ def mapped_source(values) -> ExternalSource | None:
     return None
 
 
-def derived_from(values: np.ndarray, transform) -> np.ndarray | DerivedValues:
+def derived_from(values: np.ndarray, transform, *, dtype=None) -> np.ndarray | DerivedValues:
     """``transform(values)`` for a new constant: a lazy recipe when ``values`` is a weight
     mapped from an external file, else computed now.  ``transform`` must be a pure
-    function of its input array (reshape, transpose, slicing, arithmetic)."""
+    function of its input array (reshape, transpose, slicing, arithmetic).  ``dtype``: the
+    dtype of an elementwise ``transform`` that changes it (a widening ``astype``), whose output
+    keeps the input's shape."""
     source = mapped_source(values)
     if source is None:
         return np.ascontiguousarray(transform(values))
-    dtype, shape = values.dtype, values.shape
+    shape = values.shape
     # zero strides: the transformed shape without touching (or allocating) any data
-    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape))
-    out_shape = np.shape(transform(ghost))
+    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, values.dtype), shape=shape, strides=(0,) * len(shape))
+    out_shape = np.shape(transform(ghost)) if dtype is None else shape
+    source_dtype, dtype = values.dtype, np.dtype(dtype or values.dtype)
 
     def compute() -> np.ndarray:
-        fresh = np.memmap(source.path, dtype=dtype, mode="r", offset=source.offset, shape=shape)
+        fresh = np.memmap(source.path, dtype=source_dtype, mode="r", offset=source.offset, shape=shape)
         return np.ascontiguousarray(transform(fresh))
 
     return DerivedValues(out_shape, dtype, compute)
@@ -362,8 +365,9 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
             for tensor in _constants_with_attributes(g):
                 if isinstance(tensor._values, _StubValues):
                     continue
-                # external data is always stubbed: its location is relative to the input's folder
-                if const_nbytes(tensor) < threshold and not isinstance(tensor._values, ExternalValues):
+                # external data is always stubbed: its location is relative to the input's folder;
+                # so is a recipe, whose placeholder proto holds no values
+                if const_nbytes(tensor) < threshold and not isinstance(tensor._values, (ExternalValues, DerivedValues)):
                     continue
                 stub = _STUBS.reuse((tensor.name, _onnx_dtype(tensor), tuple(tensor.shape), len(sources)), _make_stub)
                 sources.append(_source_of(tensor))
