@@ -199,8 +199,27 @@ def test_shared_graphs_round_shared_weights_the_same(data, tmp_path):
                              {"a": data / "calib.npz", "b": data / "eval.npz"}, outs, precision="w4a16")
     weights = result.results["b"].weights
     assert weights["gptq"] >= 14 and weights["blocked"] == 14 and weights["output_error_gptq_over_nearest"] < 0.85
+    assert result.results["a"].weights["gptq_reused"] == 0 and weights["gptq_reused"] == weights["gptq"]  # once
+    same = ("gptq", "blocked", "mse_after_over_before", "output_error_gptq_over_nearest")
+    assert all(weights[k] == result.results["a"].weights[k] for k in same)
     a, b = _dequantized(outs["a"]), _dequantized(outs["b"])
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_gptq_rounds_column_slices_as_the_whole_weight(block, monkeypatch):
+    """The output columns do not interact: rounding 5 columns at a time gives the whole weight's rounding."""
+    import qnnpasses.quant.gptq as gptq
+
+    rng = np.random.default_rng(1)
+    x = _correlated(rng, 512, 128)
+    w, h = rng.standard_t(4, size=(128, 48)) * 0.05, x.T @ x
+    whole = gptq_round(w, h, 7, block_size=block, mse=True)
+    monkeypatch.setattr(gptq, "COLUMN_ELEMENTS", 128 * 5)
+    assert len(gptq.column_slices(w.shape)) == 10
+    sliced = gptq_round(w, h, 7, block_size=block, mse=True)
+    assert np.array_equal(whole[0], sliced[0]) and np.array_equal(whole[1], sliced[1])
+    assert np.isclose(weighted_error(w, w * 0.9, h), float(np.einsum("kn,kn->", w * 0.1, h @ (w * 0.1))), rtol=1e-12)
 
 
 @requires_htp
@@ -222,7 +241,8 @@ def test_gptq_int4_runs_on_htp_as_one_partition_and_beats_nearest(data, tmp_path
 
 
 def test_hessians_in_small_chunks_equal_one_pass(data, tmp_path):
-    """A Hessian budget smaller than one tensor's Hessian: one pass per tensor, the same sums."""
+    """A Hessian budget smaller than one tensor's Hessian: one pass per tensor, the same sums (on the
+    model saved with external data, which the probe reads where it lies)."""
     from qnnpasses.ir.model import save_model
     from qnnpasses.quant.driver import ensure_pipeline
     from qnnpasses.quant.gptq import GptqConfig, weight_hessians
@@ -233,7 +253,8 @@ def test_hessians_in_small_chunks_equal_one_pass(data, tmp_path):
     calib = CalibrationData(data / "calib.npz", model_inputs(ir))
     weights = {n.inputs[1].name for n in ir.graph.nodes if n.op == "MatMul" and n.inputs[1].__class__.__name__ == "Constant"}
     whole = [c for c in weight_hessians(GptqConfig(calib), path, weights)]
-    small = [c for c in weight_hessians(GptqConfig(calib, budget_bytes=1), path, weights)]
+    external = save_model(ir, tmp_path / "external" / "prepared.onnx", external_data=True)  # probed in place
+    small = [c for c in weight_hessians(GptqConfig(calib, budget_bytes=1), external, weights)]
     assert len(whole) == 1 and len(small) > 4
     merged = {k: v for c in small for k, v in c.hessians.items()}
     assert set(merged) == set(whole[0].hessians) and len(merged) >= 15

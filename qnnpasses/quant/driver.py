@@ -46,7 +46,7 @@ from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import get_pipeline, named_pipelines
 from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
-from qnnpasses.quant.gptq import GptqConfig
+from qnnpasses.quant.gptq import GptqCache, GptqConfig
 from qnnpasses.quant.policy import Plan, PrecisionPolicy, make_plan
 from qnnpasses.quant.weights import refine_weights
 
@@ -140,7 +140,8 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
                    shapes: dict[str, list[int]] | None = None, keep_prepared: str | os.PathLike | None = None,
                    run_prep: bool = True, pipeline: str = "htp-llm",
                    ranges: dict[str, tuple[float, float]] | None = None,
-                   gptq_source: tuple[str | os.PathLike, CalibrationData] | None = None) -> QuantizeResult:
+                   gptq_source: tuple[str | os.PathLike, CalibrationData] | None = None,
+                   gptq_cache: GptqCache | None = None) -> QuantizeResult:
     """Prepare, plan and quantize ``model`` into the QDQ model ``output`` (see the module docs).
 
     ``pipeline`` (a name or a textual pipeline) runs first unless the model says one already ran.
@@ -150,7 +151,8 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
     (``{name: (min, max)}``, see :func:`qnnpasses.quant.shared.quantize_graphs`); when it covers
     the graph, calibration reads one sample only.  ``gptq_source`` (float model, calibration data):
     where GPTQ rounding (``policy.weight_rounding``) takes its layer inputs, when not from this
-    graph and ``calib`` (graphs sharing weights round them on the same inputs).
+    graph and ``calib`` (graphs sharing weights round them on the same inputs); ``gptq_cache``:
+    where such graphs find the weights another one rounded already.
     """
     start = time.monotonic()
     policy = policy or PrecisionPolicy()
@@ -188,7 +190,8 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
             gptq = None
             if policy.weight_rounding != "nearest":
                 source, data = gptq_source or (prepared, calib)
-                gptq = GptqConfig(data, act_order=policy.weight_rounding == "gptq-act", source=source)
+                gptq = GptqConfig(data, act_order=policy.weight_rounding == "gptq-act", source=source,
+                                  cache=gptq_cache)
             refined = refine_weights(out, prepared, mse=policy.weight_scales == "mse",
                                      block_size=policy.block_size, gptq=gptq).as_dict()
     _stamp(out, prep, policy)

@@ -31,6 +31,10 @@ Hessians (one pass over the calibration data per chunk).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -48,6 +52,8 @@ LAZY_BLOCK = 128
 DAMP = 0.01
 #: Hessians held at once (float64); more tensors take more passes over the calibration data.
 BUDGET_BYTES = 256 * 2**20
+#: Weight elements rounded at once (float64: 128 MiB a copy); a wider weight goes in column slices.
+COLUMN_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,8 @@ class GptqConfig:
 
     ``calib``: the calibration samples; ``source``: the float model whose MatMul inputs are
     probed (default: the model that was quantized).  Several graphs sharing weights pass the
-    same ``source``/``calib`` so a shared weight is rounded the same in each.
+    same ``source``/``calib`` so a shared weight is rounded the same in each, and the same
+    ``cache`` so it is rounded once.
     """
 
     calib: object  # CalibrationData (Sequence of input feeds)
@@ -64,6 +71,37 @@ class GptqConfig:
     damp: float = DAMP
     source: str | Path | None = None
     budget_bytes: int = BUDGET_BYTES
+    cache: "GptqCache | None" = None
+
+
+class GptqCache:
+    """GPTQ's roundings kept on disk for the next graph that rounds the same weight the same way.
+
+    A prefill and a decode graph hold the same weights and round them on the same inputs
+    (:attr:`GptqConfig.source`): the second graph finds each weight here and neither probes its
+    Hessian nor rounds it again.  An entry is keyed by the weight's name, a digest of its float
+    values and the grid, so a weight that differs between the graphs is rounded anew.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def key(name: str, w: np.ndarray, **grid) -> str:
+        digest = hashlib.blake2b(memoryview(np.ascontiguousarray(w)).cast("B"), digest_size=16)
+        digest.update(repr((name, w.dtype.str, w.shape, sorted(grid.items()))).encode())
+        return digest.hexdigest()
+
+    def get(self, key: str) -> tuple[np.ndarray, np.ndarray, dict[str, float]] | None:
+        path = self.folder / f"{key}.npz"
+        if not path.exists():
+            return None
+        with np.load(path) as data:
+            return data["q"], data["scales"], json.loads(str(data["figures"]))
+
+    def put(self, key: str, q: np.ndarray, scales: np.ndarray, figures: dict[str, float]) -> None:
+        np.savez(self.folder / f"{key}.npz", q=q, scales=scales, figures=np.array(json.dumps(figures)))
 
 
 def _search(w: np.ndarray, qmax: int, mse: bool) -> np.ndarray:
@@ -91,16 +129,29 @@ def gptq_round(w: np.ndarray, h: np.ndarray, qmax: int, *, block_size: int | Non
     """GPTQ of ``w[K, N]`` with Hessian ``h[K, K]``: (integers ``q[K, N]``, float32 scales ``[N]`` or ``[K/B, N]``).
 
     ``q·scale`` (scales repeated over each block's rows) is the rounded weight.  ``block_size``
-    must divide ``K``.
+    must divide ``K``.  The output columns do not interact (each has its own scales, and a row's
+    error moves only its own column), so they are rounded :data:`COLUMN_ELEMENTS` at a time:
+    a 136 M-parameter lm_head needs one slice in float64, not the whole matrix several times.
     """
-    w = w.astype(np.float64)
     k, n = w.shape
     if block_size and k % block_size:
         raise ValueError(f"block size {block_size} does not divide {k} rows")
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
     u = inverse_cholesky(h[np.ix_(perm, perm)], damp)
+    q = np.empty((k, n), dtype=np.int8 if qmax <= 127 else np.int16)
+    scales = np.empty((k // block_size, n) if block_size else (n,), dtype=np.float32)
+    for cols in column_slices((k, n)):
+        q[:, cols], scales[..., cols] = _round_columns(w[:, cols].astype(np.float64), u, perm, qmax,
+                                                       block_size, mse, act_order)
+    return q, scales
+
+
+def _round_columns(w: np.ndarray, u: np.ndarray, perm: np.ndarray, qmax: int, block_size: int | None,
+                   mse: bool, act_order: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`gptq_round` of some columns ``w[K, n]`` (float64), given ``U`` and the row order."""
+    k, n = w.shape
     work = w[perm].copy()
-    q = np.zeros((k, n), dtype=np.float64)
+    q = np.zeros((k, n))
     lazy = LAZY_BLOCK
     if block_size:
         lazy = max(lazy // block_size, 1) * block_size  # a block's rows sit in one lazy batch
@@ -135,9 +186,20 @@ def gptq_round(w: np.ndarray, h: np.ndarray, qmax: int, *, block_size: int | Non
 
 
 def weighted_error(w: np.ndarray, wq: np.ndarray, h: np.ndarray) -> float:
-    """``Σ_t ||x_t·(W - Ŵ)||²`` over the calibration tokens: ``tr(Dᵀ H D)`` with ``D = W - Ŵ``."""
-    d = w.astype(np.float64) - wq.astype(np.float64)
-    return float(np.einsum("kn,kn->", d, h @ d))
+    """``Σ_t ||x_t·(W - Ŵ)||²`` over the calibration tokens: ``tr(Dᵀ H D)`` with ``D = W - Ŵ``
+    (column slices at a time, as :func:`gptq_round`)."""
+    total = 0.0
+    for cols in column_slices(w.shape):
+        d = w[:, cols].astype(np.float64) - wq[:, cols].astype(np.float64)
+        total += float(np.einsum("kn,kn->", d, h @ d))
+    return total
+
+
+def column_slices(shape: tuple[int, int]) -> list[slice]:
+    """Slices of the ``N`` columns of a ``[K, N]`` weight, :data:`COLUMN_ELEMENTS` elements each."""
+    k, n = shape
+    step = max(COLUMN_ELEMENTS // max(k, 1), 1)
+    return [slice(c0, min(c0 + step, n)) for c0 in range(0, n, step)]
 
 
 # --------------------------------------------------------------------------- calibration inputs
@@ -169,6 +231,12 @@ def chunks(tensors: dict[str, int], budget_bytes: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
+def external_locations(model: onnx.ModelProto) -> set[str]:
+    """The external data files the initializers of ``model`` name (relative to the model's folder)."""
+    return {entry.value for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
+            for entry in init.external_data if entry.key == "location"}
+
+
 class HessianProbe:
     """The float model with the wanted tensors as extra outputs, on onnxruntime CPU."""
 
@@ -176,13 +244,20 @@ class HessianProbe:
         import onnxruntime as ort
 
         self._tmp = tempfile.TemporaryDirectory(prefix="qnnpasses-gptq-")
-        model = onnx.load(str(model_path))
+        folder = Path(self._tmp.name)
+        model = onnx.load(str(model_path), load_external_data=False)  # the weights stay in their files
         known = {o.name for o in model.graph.output}
         for name in tensors:
             if name not in known:
                 model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-        path = Path(self._tmp.name) / "probe.onnx"
-        onnx.save(model, str(path), save_as_external_data=True, location="probe.onnx.data")
+        for location in external_locations(model):  # beside the probe: onnxruntime reads no other folder
+            (folder / location).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(Path(model_path).parent / location, folder / location)
+            except OSError:  # another file system
+                shutil.copyfile(Path(model_path).parent / location, folder / location)
+        path = folder / "probe.onnx"
+        onnx.save(model, str(path))
         del model
         options = ort.SessionOptions()
         options.log_severity_level = 3

@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qnnpasses.quant.gptq import GptqConfig, gptq_round, weight_hessians, weighted_error
+from qnnpasses.quant.gptq import GptqConfig, column_slices, gptq_round, weight_hessians, weighted_error
 from qnnpasses.quant.scales import rounding_error, search_scales
 
 _QMAX = {TensorProto.INT4: 7, TensorProto.INT8: 127, TensorProto.INT16: 32767}
@@ -48,6 +48,7 @@ class RefineReport:
     mse_gain: float = 1.0  # total squared error after / before
     rounding: str = "nearest"
     gptq: int = 0  # weights rounded by GPTQ
+    reused: int = 0  # of which found rounded by another graph (GptqConfig.cache)
     #: GPTQ's calibration output error Σ||X·(W - Ŵ)||² over round-to-nearest's on the same grid
     output_error_gain: float | None = None
     hessian_seconds: float = 0.0
@@ -57,7 +58,8 @@ class RefineReport:
         out = {"refined": self.refined, "blocked": self.blocked, "not_blockable": self.not_blockable,
                "mse_after_over_before": round(self.mse_gain, 4), "rounding": self.rounding}
         if self.gptq:
-            out.update(gptq=self.gptq, output_error_gptq_over_nearest=round(self.output_error_gain, 4),
+            out.update(gptq=self.gptq, gptq_reused=self.reused,
+                       output_error_gptq_over_nearest=round(self.output_error_gain, 4),
                        hessian_seconds=round(self.hessian_seconds, 1), gptq_seconds=round(self.gptq_seconds, 1))
         return out
 
@@ -112,36 +114,56 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
     report = RefineReport(rounding="gptq" + ("-act" if gptq and gptq.act_order else "") if gptq else "nearest")
     totals = {"before": 0.0, "after": 0.0, "out_nearest": 0.0, "out_gptq": 0.0}
 
-    def refine(fname: str, h: np.ndarray | None) -> None:
+    def weight(fname: str) -> tuple[np.ndarray, int, int]:
+        """The float weight as ``[K, N]`` (a view), its integer type and block size (0: per channel)."""
+        node, axis = jobs[fname]
+        dtype = inits[node.input[0]].data_type
+        wt = np.moveaxis(numpy_helper.to_array(float_inits[fname], base_dir=str(base)).astype(np.float32), axis, 1)
+        blocks = block_size if dtype == TensorProto.INT4 else None  # 8-bit weights stay per channel
+        return wt, dtype, blocks if blocks and wt.shape[0] % blocks == 0 and wt.shape[0] > blocks else 0
+
+    def rounded(fname: str, wt: np.ndarray, dtype: int, block: int, h: np.ndarray | None):
+        """(``q[K, N]``, scales, error figures): to nearest, or by GPTQ with Hessian ``h``; column slices at a time."""
+        qmax = _QMAX[dtype]
+        k, n = wt.shape
+        old_s = numpy_helper.to_array(inits[jobs[fname][0].input[1]]).astype(np.float64)
+        figures = dict.fromkeys(totals, 0.0)
+        q = np.empty((k, n), dtype=np.int8 if qmax <= 127 else np.int16)
+        scales = np.empty((k // block, n) if block else (n,), dtype=np.float32)
+        for cols in column_slices((k, n)):
+            wc = wt[:, cols].astype(np.float64)
+            figures["before"] += float(rounding_error(wc, old_s[cols], qmax).sum())
+            qc, sc, _, _, err = quantize_weight(wc, 1, dtype, mse=mse, block_size=block or None)
+            q[:, cols], scales[..., cols] = qc, sc
+            if h is None:
+                figures["after"] += float(err)
+            else:
+                figures["out_nearest"] += weighted_error(wc, _dequantized(qc, sc, block), h)
+        if h is not None:
+            q, scales = gptq_round(wt, h, qmax, block_size=block or None, mse=mse, act_order=gptq.act_order,
+                                   damp=gptq.damp)
+            for cols in column_slices((k, n)):
+                wc, got = wt[:, cols].astype(np.float64), _dequantized(q[:, cols], scales[..., cols], block)
+                figures["out_gptq"] += weighted_error(wc, got, h)
+                figures["after"] += float(((wc - got) ** 2).sum())
+        return q, scales, figures
+
+    def write(fname: str, q: np.ndarray, scales: np.ndarray, block: int, figures: dict[str, float]) -> None:
+        """Store ``q[K, N]`` and its scales in the weight's own layout, with zero points and axis."""
         node, axis = jobs.pop(fname)
         qinit, sinit, zinit = inits[node.input[0]], inits[node.input[1]], inits[node.input[2]]
-        w = numpy_helper.to_array(float_inits[fname], base_dir=str(base)).astype(np.float32)
-        old_s = numpy_helper.to_array(sinit).astype(np.float64)
-        qmax = _QMAX[qinit.data_type]
-        wt = np.moveaxis(w.astype(np.float64), axis, 1)
-        totals["before"] += float(rounding_error(wt, old_s, qmax).sum())
-        blocks = block_size if qinit.data_type == TensorProto.INT4 else None  # 8-bit weights stay per channel
-        q, scale, new_axis, block, err = quantize_weight(w, axis, qinit.data_type, mse=mse, block_size=blocks)
-        if blocks and not block:
+        if block_size and qinit.data_type == TensorProto.INT4 and not block:
             report.not_blockable.append(fname)
-        if h is not None:
-            near = (q if block else np.moveaxis(q, axis, 1)) * (np.repeat(scale, block, axis=0) if block else scale)
-            qg, sg = gptq_round(wt, h, qmax, block_size=block or None, mse=mse, act_order=gptq.act_order,
-                                damp=gptq.damp)
-            got = qg * (np.repeat(sg.astype(np.float64), block, axis=0) if block else sg.astype(np.float64))
-            totals["out_nearest"] += weighted_error(wt, near, h)
-            totals["out_gptq"] += weighted_error(wt, got, h)
-            err = float(((wt - got) ** 2).sum())
-            q, scale = (qg, sg) if block else (np.moveaxis(qg, 1, axis), sg)
-            report.gptq += 1
-        totals["after"] += float(err)
+        for key, value in figures.items():
+            totals[key] += value
+        if block:  # blocks were cut in [K, N] coordinates: back to the weight's layout
+            q, scales, new_axis = (q, scales, 0) if axis == 1 else (q.T, scales.T, 1)
+        else:
+            q, new_axis = np.moveaxis(q, 1, axis), axis
         npdt = _NUMPY[qinit.data_type]
-        if block and axis != 1:  # blocks were cut in [K, N] coordinates: back to the weight's layout
-            q, scale = np.moveaxis(q, 1, axis), scale.T
-        # through int32, not int8: an int16 weight's integers do not fit int8 (they wrapped around)
-        qinit.CopyFrom(numpy_helper.from_array(q.astype(np.int32).astype(npdt), qinit.name))
-        sinit.CopyFrom(numpy_helper.from_array(scale.astype(np.float32), sinit.name))
-        zinit.CopyFrom(numpy_helper.from_array(np.zeros(scale.shape, dtype=np.int32).astype(npdt), zinit.name))
+        qinit.CopyFrom(numpy_helper.from_array(q.astype(npdt), qinit.name))
+        sinit.CopyFrom(numpy_helper.from_array(scales.astype(np.float32), sinit.name))
+        zinit.CopyFrom(numpy_helper.from_array(np.zeros(scales.shape, dtype=np.int32).astype(npdt), zinit.name))
         for a in node.attribute:
             if a.name == "axis":
                 a.i = new_axis
@@ -150,9 +172,30 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
             report.blocked += 1
         report.refined += 1
 
+    def cache_key(fname: str, wt: np.ndarray, dtype: int, block: int) -> str:
+        return gptq.cache.key(fname, wt, dtype=dtype, block=block, mse=mse, act_order=gptq.act_order,
+                              damp=gptq.damp, source=str(gptq.source))
+
+    def refine(fname: str, h: np.ndarray | None) -> None:
+        wt, dtype, block = weight(fname)
+        key = cache_key(fname, wt, dtype, block) if h is not None and gptq.cache is not None else None
+        q, scales, figures = rounded(fname, wt, dtype, block, h)
+        if key is not None:
+            gptq.cache.put(key, q, scales, figures)
+        report.gptq += h is not None
+        write(fname, q, scales, block, figures)
+
     if gptq is not None:
         from qnnpasses.progress import step
 
+        if gptq.cache is not None and any(gptq.cache.folder.iterdir()):  # rounded for another graph already
+            for fname in list(jobs):
+                wt, dtype, block = weight(fname)
+                found = gptq.cache.get(cache_key(fname, wt, dtype, block))
+                if found is not None:
+                    report.gptq += 1
+                    report.reused += 1
+                    write(fname, *found[:2], block, found[2])
         step(f"GPTQ: collecting input Hessians of {len(jobs)} weight(s) on {len(gptq.calib)} sample(s)")
         for chunk in weight_hessians(gptq, float_model, set(jobs)):
             report.hessian_seconds += chunk.seconds
@@ -169,6 +212,12 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
     onnx.save(model, str(qdq_path), save_as_external_data=_needs_external(model),
               location=Path(qdq_path).name + ".data" if _needs_external(model) else None)
     return report
+
+
+def _dequantized(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """``q·scale`` in float64, a block's scale repeated over its rows."""
+    scales = scales.astype(np.float64)
+    return q * (np.repeat(scales, block, axis=0) if block else scales)
 
 
 def _needs_external(model: onnx.ModelProto) -> bool:
