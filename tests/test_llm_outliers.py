@@ -235,3 +235,38 @@ def test_quantized_pair_applies_the_rewrites_and_stays_on_the_htp(export, tmp_pa
         for graph in ("prefill", "decode"):
             part = report["htp"][graph]["parts"][0]
             assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), part
+
+
+def test_float64_copy_written_weight_by_weight_computes_the_in_memory_conversion(float_pair, real_calls, tmp_path):
+    """run_cases' float64 copy, written one mapped weight at a time, gives the outputs of the whole-proto
+    conversion bit for bit; stored outputs are mapped from disk and equal the in-memory ones; the
+    one-ulp copy moves every weight by exactly one float32 ulp."""
+    from qnnpasses.backends.cpu import verification_cases
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.llm.outliers import discard, float64_model, run_cases, write_float64
+
+    path = part_paths(float_pair, "prefill", compiled=False)[0]
+    external = tmp_path / "external.onnx"
+    onnx.save(onnx.load(str(path)), str(external), save_as_external_data=True, location="external.onnx.data",
+              size_threshold=0)
+    cases = verification_cases(load_model(external), 0)[:2]
+    whole = tmp_path / "whole.onnx"
+    onnx.save(float64_model(onnx.load(str(external))), str(whole))
+    want = run_cases(whole, [type(c)(c.name, {k: v.astype(np.float64) if v.dtype == np.float32 else v
+                                              for k, v in c.inputs.items()}) for c in cases])
+    store = tmp_path / "outputs"
+    got = run_cases(external, cases, float64=True, work=tmp_path, store=store)
+    assert all(isinstance(v, np.memmap) for case in got for v in case.values())
+    assert all(np.array_equal(w[k], g[k]) for w, g in zip(want, got) for k in w)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["external.onnx", "external.onnx.data", "outputs", "whole.onnx"]
+    discard(store)
+    assert not store.exists()
+
+    moved = write_float64(external, tmp_path / "moved.onnx", ulp_seed=1)
+    before = {i.name: numpy_helper.to_array(i, str(tmp_path)) for i in onnx.load(str(external)).graph.initializer}
+    after = {i.name: numpy_helper.to_array(i, str(tmp_path)) for i in onnx.load(str(moved)).graph.initializer}
+    big = [k for k, v in before.items() if v.dtype == np.float32 and v.size > 1]
+    assert big and all(after[k].dtype == np.float64 for k in before if before[k].dtype == np.float32)
+    for k in big:
+        ulps = np.abs(after[k].astype(np.float32).view(np.int32).astype(np.int64) - before[k].view(np.int32))
+        assert np.all((ulps == 1) | ((before[k] == 0) & (np.abs(after[k]) < 1e-44))), k

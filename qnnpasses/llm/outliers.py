@@ -45,6 +45,8 @@ there are recorded next to the verdict (``synthetic_fp32``, ``fp32_floor``), not
 from __future__ import annotations
 
 import hashlib
+import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,12 @@ from qnnpasses.backends.cpu import (
     RTOL,
     VerificationCase,
     cosine_similarity,
+    cpu_session,
     verification_cases,
 )
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.ir.model import IRModel, derived_from, save_model
+from qnnpasses.memory import release
 
 #: real calls of each graph the fp32 check runs on (the first calibration samples)
 REAL_SAMPLES = 4
@@ -88,39 +92,89 @@ def float64_model(proto: onnx.ModelProto) -> onnx.ModelProto:
     return proto
 
 
-def _session(path: Path):
-    import onnxruntime as ort
+def write_float64(path: Path, out: Path, ulp_seed: int | None = None) -> Path:
+    """The model at ``path`` in double precision (:func:`float64_model`), written to ``out`` one weight
+    at a time: a weight mapped from external data is widened as it is saved, so the model's weights
+    are never all in memory at once.  ``ulp_seed``: each float32 weight of more than one element is
+    first moved by one ulp, every element in a random direction (:func:`ulp_floor`)."""
+    import onnx_graphsurgeon as gs
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    ir = load_model(path)
+    constants = [t for t in ir.graph.tensors().values() if isinstance(t, gs.Constant)]
+    for index, tensor in enumerate(constants):
+        values = tensor.values
+        if values.dtype == np.float32:
+            seed = (ulp_seed, index) if ulp_seed is not None and values.size > 1 else None
+            tensor.values = derived_from(values, partial(_widen, seed=seed), dtype=np.float64)
+    save_model(ir, out, external_data=True)
+    del ir, constants
+    release()
+    proto = float64_model(onnx.load(str(out), load_external_data=False))  # types, Casts, attributes
+    out.write_bytes(proto.SerializeToString())
+    return out
+
+
+def _widen(values: np.ndarray, seed: tuple[int, int] | None, chunk: int = 1 << 24) -> np.ndarray:
+    """``values`` in float64, each first moved one float32 ulp up or down at random when ``seed`` is
+    given (``chunk`` elements at a time: the random directions of a whole lm_head are gigabytes)."""
+    if seed is None:
+        return values.astype(np.float64)
+    rng = np.random.default_rng(seed)
+    flat, out = values.reshape(-1), np.empty(values.size, np.float64)
+    for start in range(0, values.size, chunk):
+        part = flat[start:start + chunk]
+        up = rng.integers(0, 2, part.size, dtype=np.uint8).view(bool)
+        high, low = np.nextafter(part, np.float32(np.inf)), np.nextafter(part, np.float32(-np.inf))
+        out[start:start + chunk] = np.where(up, high, low)
+    return out.reshape(values.shape)
 
 
 def run_cases(path: Path, cases: list[VerificationCase], *, float64: bool = False,
-              work: Path | None = None) -> list[dict[str, np.ndarray]]:
+              work: Path | None = None, store: Path | None = None) -> list[dict[str, np.ndarray]]:
     """The outputs of the model at ``path`` on every case (``float64``: of its double-precision copy,
-    written into ``work``; float inputs are widened, outputs kept in float64)."""
-    if float64:
-        proto = float64_model(onnx.load(str(path)))
-        wide = Path(work or path.parent) / f"{path.stem}.f64.onnx"
-        onnx.save(proto, str(wide), save_as_external_data=True, location=wide.name + ".data")
-        del proto
-        session = _session(wide)
-    else:
-        session = _session(path)
+    written into ``work``; float inputs are widened, outputs kept in float64).
+
+    ``store``: a folder the outputs are saved into and mapped back from, so that a prefill
+    graph's logits on every case stay on disk, not in memory (:func:`discard` removes it)."""
+    if not float64:
+        return _run(path, cases, widen=False, store=store)
+    wide = write_float64(path, Path(work or path.parent) / f"{path.stem}.f64.onnx")
+    try:
+        return _run(wide, cases, widen=True, store=store)
+    finally:
+        _remove(wide)
+
+
+def _run(path: Path, cases: list[VerificationCase], *, widen: bool, store: Path | None) -> list[dict[str, np.ndarray]]:
+    # mapped: the weights stay in their data file (a double copy of a 0.5 B model is 4 GB)
+    session = cpu_session(path, mapped=True, optimize=False, quiet=True)
     names = [o.name for o in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
+    if store is not None:
+        store.mkdir(parents=True, exist_ok=True)
     outputs = []
-    for case in cases:
-        feed = {k: (v.astype(np.float64) if float64 and v.dtype == np.float32 else v)
+    for i, case in enumerate(cases):
+        feed = {k: (v.astype(np.float64) if widen and v.dtype == np.float32 else v)
                 for k, v in case.inputs.items() if k in wanted}
-        outputs.append(dict(zip(names, session.run(names, feed))))
-    del session
-    if float64:
-        for f in (wide, wide.with_name(wide.name + ".data")):
-            f.unlink(missing_ok=True)
+        values = session.run(names, feed)
+        if store is not None:
+            for j, value in enumerate(values):
+                np.save(store / f"{i}.{j}.npy", value)
+            values = [np.load(store / f"{i}.{j}.npy", mmap_mode="r") for j in range(len(values))]
+        outputs.append(dict(zip(names, values)))
     return outputs
+
+
+def discard(*stores: Path | None) -> None:
+    """Remove folders of outputs that :func:`run_cases` stored."""
+    for store in stores:
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def _remove(model: Path) -> None:
+    for f in (model, model.with_name(model.name + ".data")):
+        f.unlink(missing_ok=True)
 
 
 def constant_digests(ir: IRModel) -> dict[str, str]:
@@ -194,25 +248,20 @@ def ulp_floor(path: Path, cases: list[VerificationCase], reference: list[dict[st
     A rewrite that recomputes weights in float64 and stores them in fp32 changes each by at most
     half an ulp: on inputs where this floor exceeds the contract's bound, the graph's outputs are
     not determined to that bound by fp32 weights at all, and the floor is the bound."""
-    import onnx_graphsurgeon as gs
-
     floor: list[dict[str, tuple[float, float]]] = [{} for _ in cases]
     for seed in seeds:
-        rng = np.random.default_rng(seed)
-        ir = load_model(path)
-        for tensor in ir.graph.tensors().values():
-            if isinstance(tensor, gs.Constant) and tensor.values.dtype == np.float32 and tensor.values.size > 1:
-                value = np.asarray(tensor.values)
-                tensor.values = np.nextafter(value, rng.choice(np.array([-np.inf, np.inf], np.float32), value.shape))
-        moved = save_model(ir, work / f"{path.stem}.ulp{seed}.onnx", external_data=True)
-        del ir
-        outputs = run_cases(moved, cases, float64=True, work=work)
-        for f in (moved, moved.with_name(moved.name + ".data")):
-            f.unlink(missing_ok=True)
-        for i, (ref, out) in enumerate(zip(reference, outputs)):
-            for k, (max_abs, cosine) in _deviation(ref, out).items():
-                old = floor[i].get(k, (0.0, 1.0))
-                floor[i][k] = (max(old[0], max_abs), min(old[1], cosine))
+        moved = write_float64(path, work / f"{path.stem}.ulp{seed}.f64.onnx", ulp_seed=seed)
+        store, outputs = work / f"{path.stem}.ulp{seed}.outputs", []
+        try:
+            outputs = _run(moved, cases, widen=True, store=store)
+            for i, (ref, out) in enumerate(zip(reference, outputs)):
+                for k, (max_abs, cosine) in _deviation(ref, out).items():
+                    old = floor[i].get(k, (0.0, 1.0))
+                    floor[i][k] = (max(old[0], max_abs), min(old[1], cosine))
+        finally:
+            del outputs
+            _remove(moved)
+            discard(store)
     return floor
 
 
@@ -239,10 +288,11 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
         cases[name] = verification_cases(ir, 0) + [
             VerificationCase(CASE_REAL, dict(sample), f"real call {i}") for i, sample in enumerate(real[name][:REAL_SAMPLES])]
         del ir
-        out32[name] = run_cases(path, cases[name])
-        out64[name] = run_cases(path, cases[name], float64=True, work=work)
+        release()
+        out32[name] = run_cases(path, cases[name], store=work / f"{name}.0.fp32")
+        out64[name] = run_cases(path, cases[name], float64=True, work=work, store=work / f"{name}.0.fp64")
         floors[name] = ulp_floor(path, cases[name], out64[name], work)
-    records = []
+    records, kept = [], 0  # the outputs of step `kept` are the reference
     for step, item in enumerate(parse_pipeline(spec).passes()):  # options with commas stay whole
         pass_name, contract = format_items([item]), item.contract
         tolerance = contract.tolerance(ATOL, RTOL, MIN_COSINE)
@@ -260,7 +310,8 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
                 after[name] = save_model(ir, work / f"{name}.{step + 1}.onnx", external_data=True)
             elif rec.reason or rec.notes:
                 record["reason"] = rec.reason or "; ".join(rec.notes)
-            del ir
+            del ir, result
+            release()
         records.append(record)
         if not after:
             continue
@@ -277,8 +328,9 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
         record["shared_constants_identical"] = len(shared)
         new32, new64, ok = {}, {}, True
         for name, path in after.items():
-            new32[name] = run_cases(path, cases[name])
-            new64[name] = run_cases(path, cases[name], float64=True, work=work)
+            new32[name] = run_cases(path, cases[name], store=work / f"{name}.{step + 1}.fp32")
+            new64[name] = run_cases(path, cases[name], float64=True, work=work,
+                                    store=work / f"{name}.{step + 1}.fp64")
             synthetic = {c.name for c in cases[name] if c.name != CASE_REAL}
             checks = {"float64": _worst(out64[name], new64[name], cases[name], tolerance, floor=floors[name]),
                       "real_fp32": _worst(out32[name], new32[name], cases[name], tolerance, {CASE_REAL})}
@@ -291,9 +343,11 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
                     record["reason"] = f"{name} graph, {kind}: {check['failure']}"
         if not ok:
             record["status"] = "rolled-back"
+            discard(*(work / f"{name}.{step + 1}.{kind}" for name in after for kind in ("fp32", "fp64")))
             continue
         record["status"] = "changed"
-        current, out32, out64, digests = after, new32, new64, new_digests
+        discard(*(work / f"{name}.{kept}.{kind}" for name in current for kind in ("fp32", "fp64")))
+        current, out32, out64, digests, kept = after, new32, new64, new_digests, step + 1
     return current, records
 
 
