@@ -10,6 +10,8 @@ of which Linux keeps no peak: :class:`PeakMemory` samples it on a thread.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import threading
 from pathlib import Path
@@ -27,6 +29,22 @@ def private_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def release() -> None:
+    """Give back the memory of what was dropped, between the stages of a long command.
+
+    An IR graph is a web of reference cycles (nodes and tensors point at each other), and so are
+    some of onnxruntime's session wrappers: Python frees a cycle only when its cycle collector
+    runs, which it schedules by object counts, not bytes.  A dropped graph holding a model's
+    weights in memory, or a dropped session holding its arena, can stay for the rest of the
+    command.  So: collect now, then ask glibc to return its free heap pages to the system (not an
+    error where there is no glibc)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class PeakMemory:

@@ -52,7 +52,7 @@ from qnnpasses.llm.manifest import FORMAT, write_manifest
 from qnnpasses.llm.roles import export_roles, lower_contrib, pass_records, roles_dict
 from qnnpasses.llm.source import model_file
 from qnnpasses.llm.tokenizer import COMPANION_FILES, TOKENIZER_FILE, TokenizerError, check_tokenizer, copy_tokenizer, find_tokenizer_dir
-from qnnpasses.memory import PeakMemory
+from qnnpasses.memory import PeakMemory, release
 from qnnpasses.passmanager.api import get_pass
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import HTP_FP16_FORMS_PIPELINE, get_pipeline
@@ -404,7 +404,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
                                  logits_offset=options.logits_offset and not foreign,
                                  cache_fp16=options.cache_fp16 and not foreign)
-        irs[name] = ir
+        if foreign:  # the bundle's own form is made from them
+            irs[name] = ir
         graph_role = graph_roles(ir, roles)
         path = save_model(ir, stage / f"{name}.onnx")
         graphs[name] = {"tokens": tokens, "past": past,
@@ -413,6 +414,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
                         "roles": graph_role, "io": _io(ir)}
         report["graphs"][name] = {"nodes": len(ir.graph.nodes), "passes": facts["passes"],
                                   "cache_dtype": facts["cache_dtype"]}
+        del ir
+        release()
     manifest = {
         "format": FORMAT, "source": model.name, "context": N, "prefill": M, "layers": roles.layers,
         "kv_heads": int(roles.kv_heads), "head_dim": int(roles.head_dim), "vocab": int(roles.vocab),
@@ -427,14 +430,19 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if text_dir is not None:
         manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
     report["verification"] = _verify(stage, manifest, model, options)
+    release()
     if foreign:
         report["bundle"] = _bundle_form(stage, manifest, irs, model, options, text_dir)
         report["bundle_verification"] = _verify(stage, manifest, model, options, tolerance=None)
+        irs.clear()
+        release()
     if options.precision != "fp16":
         from qnnpasses.llm.quantize import quantize_pair
 
         report["quantization"] = quantize_pair(stage, manifest, options)
+        release()
         report["quantized_verification"] = _verify(stage, manifest, model, options, tolerance=None)
+        release()
     budgets = _part_budgets(stage, manifest, options)
     if budgets is not None:
         by_bytes = options.parts is None
@@ -445,6 +453,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
             entries = _split(stage, ir, name, manifest["graphs"][name], options.parts, budgets[name])
             manifest["graphs"][name]["parts"] = entries
+            del ir
+            release()
         if foreign:  # the 8-bit pair is measured, not bounded: its parts must measure what it measured
             report["parts_verification"] = _same_as_whole(_verify(stage, manifest, model, options, tolerance=None),
                                                           report["bundle_verification"])

@@ -26,6 +26,7 @@ from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
 from qnnpasses.ir.op_kinds import LAYOUT
 from qnnpasses.llm.verify import PartsRunner, static_feed
+from qnnpasses.memory import release
 from qnnpasses.passmanager.rewrite import constant_value
 
 #: calibration samples kept per graph
@@ -174,6 +175,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
             real[name] = CalibrationData(calib[name], model_inputs(ir)).head(REAL_SAMPLES)
             outputs[name] = source
             del ir
+            release()
         rewritten, records = floats, []
         if policy.outliers:
             rewritten, records = rewrite_pair(floats, policy.outliers, real, Path(tmp) / "outliers")
@@ -317,6 +319,7 @@ def _keep_float(path: Path) -> Path:
     ir = load_model(path)
     save_model(ir, target)
     del ir
+    release()
     for old in (path, path.with_name(path.name + ".data")):
         old.unlink(missing_ok=True)
     return target

@@ -36,6 +36,7 @@ import numpy as np
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.memory import release
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
 from qnnpasses.quant.driver import (
     QuantizeResult,
@@ -44,6 +45,7 @@ from qnnpasses.quant.driver import (
     quant_prep,
     quantize_model,
 )
+from qnnpasses.quant.gptq import GptqCache
 from qnnpasses.quant.policy import PrecisionPolicy
 
 #: The outlier rewrites that keep a pre-norm LLM's residual stream small (see passes/outliers).
@@ -141,13 +143,18 @@ def quantize_graphs(models: Mapping[str, str | os.PathLike | IRModel],
                 records[name] += outlier_rewrites(ir, policy.outliers, data[name])
             path = save_model(ir, Path(tmp) / f"{name}.prepared.onnx")
             prepared[name] = path
+            del ir, prep
+            release()
             ranges[name] = calibrate_ranges(path, data[name])
+            release()
         merged, shared = merge_ranges(ranges, ties)
-        first = next(iter(prepared))  # GPTQ rounds every graph's weights on the first graph's inputs
+        first = next(iter(prepared))  # GPTQ rounds every graph's weights on the first graph's inputs, once
+        cache = GptqCache(Path(tmp) / "gptq")
         results = {}
         for name, path in prepared.items():
             results[name] = quantize_model(path, data[name], outputs[name], replace(policy, outliers=""),
                                            run_prep=False, ranges=merged[name],
-                                           gptq_source=(prepared[first], data[first]))
+                                           gptq_source=(prepared[first], data[first]), gptq_cache=cache)
+            release()
             results[name].prep.records = records[name] + results[name].prep.records
     return SharedResult(results, shared)
