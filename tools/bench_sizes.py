@@ -157,7 +157,22 @@ def bundle_figures(out_dir: Path) -> dict:
                                                   "prefill_call_read_bytes", "weights_from", "target",
                                                   "decode_tokens_per_second_ceiling")},
             "graph_weight_bytes": {name: g.get("weight_bytes") for name, g in (device.get("graphs") or {}).items()},
-            "seconds": report.get("seconds")}
+            "check": check_figures(report, manifest), "seconds": report.get("seconds")}
+
+
+def check_figures(report: dict, manifest: dict) -> dict:
+    """The build's own CPU check of the static pair against the export (float pair; the quantized one
+    is recorded, not bounded): prompt length and prefill calls, worst logits and K/V differences."""
+    out = {}
+    for kind in ("verification", "quantized_verification"):
+        check = report.get(kind)
+        if check:
+            out[kind] = {"prompt_tokens": check.get("prompt_tokens"), "new_tokens": check.get("new_tokens"),
+                         "prefill_calls": -(-check["prompt_tokens"] // manifest["prefill"])
+                         if check.get("prompt_tokens") else None,
+                         "logits_max_abs": check.get("logits"), "kv_max_abs": check.get("kv"),
+                         "bounds": check.get("bounds"), "ok": check.get("ok"), "top1": check.get("top1")}
+    return out
 
 
 def measure(shape: str, context: int, prefill: int, precision: str, compile_: bool, keep: Path | None,
@@ -227,8 +242,38 @@ def write_markdown(doc: dict) -> str:
             f"{gib(memory.get('compile_private_peak_bytes'))} | "
             f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
             f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
+    lines += check_table(doc)
     lines += ceilings_table(doc)
     return "\n".join(lines) + "\n"
+
+
+def check_table(doc: dict) -> list[str]:
+    """The build's CPU check at each size: the static pair against the export over a prompt of several
+    prefill calls and then decode steps (a quantized pair's figures are recorded, not held to a bound)."""
+    built = [e for e in sorted(doc["entries"], key=key) if e["exit"] == 0 and e.get("check")]
+    if not built:
+        return []
+    lines = ["", "## The build's CPU check at this size", "",
+             "`qnnpasses llm` runs the static pair against the export on onnxruntime CPU: a prompt of seeded "
+             "random ids in prefill calls (the last one padded), then decode steps; logits and new K/V are held "
+             "to the float pair's bound (a quantized pair's figures are recorded: its top-1 is the share of "
+             "positions whose argmax is the export's).", "",
+             "| shape | precision | parts | pair | prompt tokens (prefill calls) | decode steps | logits max abs (bound) "
+             "| K/V max abs (bound) | top-1 | ok |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for e in built:
+        parts = max((e.get("parts") or {"": 1}).values())
+        for kind, label in (("verification", "float"), ("quantized_verification", e["precision"])):
+            c = e["check"].get(kind)
+            if not c:
+                continue
+            bounds = c.get("bounds") or {}
+            cell = (lambda k: f"{c[k + '_max_abs']:.2g}" + (f" ({bounds[k]:.2g})" if k in bounds else ""))
+            ok = {True: "yes", False: "no", None: "recorded"}[c.get("ok")]
+            lines.append(f"| {e['shape']} | {e['precision']} | {parts} | {label} | {c['prompt_tokens']} "
+                         f"({c['prefill_calls']}) | {c['new_tokens'] - 1} | {cell('logits')} | {cell('kv')} | "
+                         f"{c['top1'] * 100:.1f}% | {ok} |")
+    return lines
 
 
 def ceilings_table(doc: dict) -> list[str]:
