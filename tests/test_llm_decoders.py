@@ -79,3 +79,43 @@ def test_every_export_of_a_family_generates_transformers_tokens(family, matrix, 
         assert result["htp_ok"], (result["name"], result["htp_partitions"], result["htp_cpu_nodes"])
         assert result["tokens"] == entry["hf_tokens"], (result["name"], result["prefill"])
         assert result["sliding_window"] == _local_layers(entry), result["name"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_post_norm_stream_past_fp16_range_is_scaled_exactly(family, matrix, tmp_path):
+    """Gemma's form of the stream (the embedding times sqrt(hidden), post-norms written into it), made loud
+    by scaling the embedding table: scale-residual finds every writer and changes no fp32 logit."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from qnnpasses.backends.cpu import run_cpu
+    from qnnpasses.ir.load import load_model
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.passes.outliers._stream import find_stream
+    from qnnpasses.passmanager.manager import PassManager
+    from qnnpasses.passmanager.named import get_pipeline
+    from qnnpasses.passmanager.spec import parse_pipeline
+
+    out = Path(os.environ.get("QNNPASSES_DECODERS", "~/.cache/qnnpasses/decoders")).expanduser()
+    entry = matrix[f"{family}_sdpa_ts"]
+    model = onnx.load(str(out / entry["onnx"]))
+    table = max((i for i in model.graph.initializer if len(i.dims) == 2), key=lambda i: i.dims[0] * i.dims[1])
+    table.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(table) * np.float32(2.0 ** 18), table.name))
+    onnx.save(model, str(tmp_path / "loud.onnx"))
+    ir = load_model(tmp_path / "loud.onnx")
+    PassManager(parse_pipeline(get_pipeline("htp-llm").to_text())).run(ir)
+    prepared = save_model(ir, tmp_path / "prepared.onnx")
+    stream, why = find_stream(ir.graph, scaling=True)
+    layers = len(entry["layer_types"] or [0, 0])
+    assert stream is not None, why
+    assert (len(stream.embedding_scales), len(stream.norm_writers), len(stream.writers)) == (1, 2 * layers, 0)
+    result = PassManager(parse_pipeline("scale-residual,cleanup")).run(ir)
+    record = result.records[0]
+    assert record.status == "changed" and record.stats["shift"] >= 1, record.stats
+    scaled = save_model(ir, tmp_path / "scaled.onnx")
+    rng = np.random.default_rng(0)
+    feed = {t.name: (rng.integers(0, 50, t.shape).astype(np.int64) if np.dtype(t.dtype).kind == "i"
+                     else rng.standard_normal(t.shape).astype(t.dtype)) for t in load_model(prepared).graph.inputs}
+    want, got = run_cpu(prepared, feed), run_cpu(scaled, feed)
+    assert all(np.array_equal(want[k], got[k]) for k in want)

@@ -26,6 +26,8 @@ from qnnpasses.ir.op_kinds import RESHAPES
 from qnnpasses.passmanager.rewrite import constant_value, producer
 
 NORM_OPS = ("RMSNormalization",)
+#: normalizations whose output does not change when their input and epsilon are rescaled together
+SCALED_NORM_OPS = ("RMSNormalization", "LayerNormalization")
 
 
 @dataclass
@@ -36,6 +38,10 @@ class Stream:
     readers: list[gs.Node] = field(default_factory=list)  # MatMul(norm_out, W[..., hidden, N])
     writers: list[gs.Node] = field(default_factory=list)  # MatMul(x, W[..., hidden]) into the stream
     biases: list[tuple[gs.Node, int]] = field(default_factory=list)  # Add(., const[..., hidden]) on the way
+    # scaling walks only (find_stream(scaling=True)):
+    norm_writers: list[gs.Node] = field(default_factory=list)  # a block's post-norm, added into the stream
+    embedding_scales: list[tuple[gs.Node, int]] = field(default_factory=list)  # Mul(embedding, const scalar)
+    tensors: list[str] = field(default_factory=list)  # every tensor of the stream
 
 
 def _keeps_last(node: gs.Node, hidden: int) -> bool:
@@ -69,8 +75,9 @@ def norm_consumers(graph: gs.Graph, norm: gs.Node, hidden: int) -> tuple[list[gs
     return readers, ""
 
 
-def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream) -> str:
-    """Trace a tensor added into the stream back to its projection MatMul; "" or why not."""
+def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream, scaling: bool = False) -> str:
+    """Trace a tensor added into the stream back to its projection MatMul (or, when ``scaling``, to a
+    normalization with a constant scale: Gemma's post-norms); "" or why not."""
     biases = []
     while True:
         if len(t.outputs) != 1 or t in graph.outputs:
@@ -91,6 +98,10 @@ def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream) -> str:
             biases.append((node, consts[0]))
             t = node.inputs[1 - consts[0]]
             continue
+        if scaling and not biases and node.op in SCALED_NORM_OPS and _const_input(node, 1) is not None \
+                and _const_input(node, 1).shape[-1:] == (hidden,):
+            stream.norm_writers.append(node)
+            return ""
         weight = _const_input(node, 1) if node.op == "MatMul" else None
         if weight is None or weight.shape[-1] != hidden:
             return f"'{t.name}' added into the residual stream comes from {node.op} '{node.name}'"
@@ -99,12 +110,15 @@ def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream) -> str:
         return ""
 
 
-def find_stream(graph: gs.Graph) -> tuple[Stream | None, str]:
+def find_stream(graph: gs.Graph, scaling: bool = False) -> tuple[Stream | None, str]:
     """The residual stream fed by the graph's token embedding, or (None, why it does not fit).
 
     The token embedding is the Gather from a constant 2-D table, indexed by a graph input, whose
     output the walk accepts as a residual stream (a static pair also gathers cos/sin rows by
-    ``position_ids``)."""
+    ``position_ids``).  ``scaling``: the stream as a uniform rescaling sees it (``scale-residual``):
+    it also accepts a constant scalar ``Mul`` of the embedding before the first residual ``Add``
+    (Gemma's ``sqrt(hidden)``), normalizations with a constant scale as writers (Gemma's
+    post-norms) and ``LayerNormalization`` readers, and does not look past the readers' norms."""
     inputs = {t.name for t in graph.inputs}
     gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
                and len(n.inputs[0].shape) == 2 and n.attrs.get("axis", 0) == 0
@@ -113,7 +127,7 @@ def find_stream(graph: gs.Graph) -> tuple[Stream | None, str]:
         return None, "no token-embedding Gather (of a constant 2-D table, indexed by a graph input)"
     # other tables gathered by an input (a static pair's cos/sin rows, gathered by position_ids) feed
     # no residual stream: the embedding is the one table whose output the walk accepts
-    found = [_walk(graph, embed) for embed in gathers]
+    found = [_walk(graph, embed, scaling) for embed in gathers]
     streams = [stream for stream, _ in found if stream is not None]
     if len(streams) == 1:
         return streams[0], ""
@@ -123,7 +137,7 @@ def find_stream(graph: gs.Graph) -> tuple[Stream | None, str]:
         f"{embed.name}: {why}" for embed, (_, why) in zip(gathers, found))
 
 
-def _walk(graph: gs.Graph, embed: gs.Node) -> tuple[Stream | None, str]:
+def _walk(graph: gs.Graph, embed: gs.Node, scaling: bool = False) -> tuple[Stream | None, str]:
     """The residual stream fed by the Gather ``embed``, or (None, why it does not fit)."""
     hidden = int(embed.inputs[0].shape[1])
     stream = Stream(hidden, embeddings=[embed])
@@ -136,17 +150,22 @@ def _walk(graph: gs.Graph, embed: gs.Node) -> tuple[Stream | None, str]:
         seen.add(t.name)
         if t.name in outputs:
             return None, f"the residual stream '{t.name}' is a graph output"
+        stream.tensors.append(t.name)
         for node in t.outputs:
             if _keeps_last(node, hidden):
+                todo.append(node.outputs[0])
+            elif node.op == "Mul" and scaling and not stream.writers and not stream.norm_writers \
+                    and (index := _scalar_factor(node, t)) is not None:
+                stream.embedding_scales.append((node, index))
                 todo.append(node.outputs[0])
             elif node.op == "Add":
                 other = node.inputs[1] if node.inputs[0] is t else node.inputs[0]
                 if other.name not in seen and not _reaches_from(other, seen):
-                    why = _writer(graph, other, hidden, stream)
+                    why = _writer(graph, other, hidden, stream, scaling)
                     if why:
                         return None, why
                 todo.append(node.outputs[0])
-            elif node.op in NORM_OPS and node.inputs[0] is t:
+            elif node.op in (SCALED_NORM_OPS if scaling else NORM_OPS) and node.inputs[0] is t:
                 axis = node.attrs.get("axis", -1)
                 if axis not in (-1, len(t.shape or ()) - 1):
                     return None, f"{node.name} normalizes axis {axis}, not the hidden axis"
@@ -154,14 +173,23 @@ def _walk(graph: gs.Graph, embed: gs.Node) -> tuple[Stream | None, str]:
                     stream.norms.append(node)
             else:
                 return None, f"the residual stream '{t.name}' is read by {node.op} '{node.name}'"
-    for norm in stream.norms:
+    for norm in stream.norms if not scaling else ():
         readers, why = norm_consumers(graph, norm, hidden)
         if why:
             return None, why
         stream.readers += readers
-    if not stream.norms or not stream.writers:
+    if not stream.norms or not (stream.writers or stream.norm_writers):
         return None, "no normalization reads the stream or no projection writes it"
     return stream, ""
+
+
+def _scalar_factor(node: gs.Node, t: gs.Tensor) -> int | None:
+    """The input index of ``Mul(t, c)``'s constant one-element factor ``c``, if it has one."""
+    for index, x in enumerate(node.inputs):
+        value = constant_value(x) if x is not t else None
+        if value is not None and value.size == 1 and len(node.inputs) == 2:
+            return index
+    return None
 
 
 def _reaches_from(t: gs.Tensor, seen: set[str]) -> bool:

@@ -83,11 +83,15 @@ LOGITS_OFFSET = "logits-offset"
 PRECISIONS = ("fp16", "w8a16", "w4a16")
 
 
-def fp16_passes(logits: str, logits_offset: bool = True) -> Pipeline:
+def fp16_passes(logits: str, logits_offset: bool = True, residual_shift: int | None = None) -> Pipeline:
     """What an fp16 pair gets after htp-llm: :data:`FP16_PIPELINE`, then (with ``logits_offset``)
     ``logits-offset`` on the output named ``logits``, then ``tied-embedding``.  (Quantized pairs do
-    not share the table: the lm_head's weight is quantized for the lm_head, not for the lookup.)"""
+    not share the table: the lm_head's weight is quantized for the lm_head, not for the lookup.)
+    ``residual_shift``: the ``scale-residual`` shift to apply instead of measuring one (the decode
+    graph takes the prefill graph's, so that the two hold the same weights)."""
     pipeline = parse_pipeline(FP16_PIPELINE)
+    if residual_shift is not None:
+        pipeline = pipeline.with_options("scale-residual", shift=residual_shift)
     if logits_offset:
         pipeline.items.append(get_pass(LOGITS_OFFSET)(output=logits))
     pipeline.items.append(get_pass("tied-embedding")())
@@ -203,7 +207,7 @@ def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
 
 def static_graph(model: Path, roles: Roles, tokens: int, past: int,
                  quantized: bool = False, logits_offset: bool = True,
-                 cache_fp16: bool = True) -> tuple[IRModel, dict[str, Any]]:
+                 cache_fp16: bool = True, residual_shift: int | None = None) -> tuple[IRModel, dict[str, Any]]:
     """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied
     (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits,
     and the cache taken and given in float16, :mod:`qnnpasses.llm.cache_dtype`).
@@ -211,7 +215,7 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (:func:`build_pipeline`)."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
-    pipeline = build_pipeline(roles, tokens + past, quantized, logits_offset)
+    pipeline = build_pipeline(roles, tokens + past, quantized, logits_offset, residual_shift)
     # one manager for every stage; the build's own check against the export (check_static) verifies
     # the result, so no pass is verified on its own
     manager = PassManager(pipeline, RunConfig(verify=False, strict=True))
@@ -231,14 +235,15 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     return ir, {"passes": (lowered if lowerings else []) + records, "cache_dtype": cache_dtype}
 
 
-def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = True) -> Pipeline:
+def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = True,
+                   residual_shift: int | None = None) -> Pipeline:
     """Every pass a graph of the pair runs after the contrib lowerings: the static cache
     (:func:`static_cache_pipeline`), ``htp-llm`` in its ``quantized`` or ``pair`` variant
     (:data:`qnnpasses.passmanager.named.VARIANTS`), and for fp16 :func:`fp16_passes`."""
     htp_llm = get_pipeline("htp-llm", "quantized" if quantized else "pair")
     pipeline = static_cache_pipeline(context, roles.position_ids) + htp_llm
     # a quantized graph runs in integer mode: the fp16 formulations are for fp16 pairs only
-    return pipeline if quantized else pipeline + fp16_passes(roles.logits, logits_offset)
+    return pipeline if quantized else pipeline + fp16_passes(roles.logits, logits_offset, residual_shift)
 
 
 def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
@@ -276,6 +281,12 @@ def _io(ir: IRModel) -> dict[str, dict[str, Any]]:
         io[tensor.name] = {"dtype": _DTYPES.get(np.dtype(tensor.dtype), str(np.dtype(tensor.dtype))),
                            "shape": [int(d) for d in tensor.shape]}
     return io
+
+
+def residual_shift(records: list[dict[str, Any]]) -> int | None:
+    """The shift ``scale-residual`` chose for a graph (0 when it measured no need), None when it did not run."""
+    found = next((r for r in records if r["name"] == "scale-residual"), None)
+    return None if found is None else int(found["stats"].get("shift", 0))
 
 
 def _local_layers(records: list[dict[str, Any]]) -> dict[str, int]:
@@ -399,11 +410,12 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     spec = {"prefill": (M, N - M), "decode": (1, N - 1)}
     graphs: dict[str, Any] = {}
     report: dict[str, Any] = {"source": model.name, "context": N, "prefill": M, "graphs": {}}
-    irs = {}
+    irs, shift = {}, None
     for name, (tokens, past) in spec.items():
         ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
                                  logits_offset=options.logits_offset and not foreign,
-                                 cache_fp16=options.cache_fp16 and not foreign)
+                                 cache_fp16=options.cache_fp16 and not foreign, residual_shift=shift)
+        shift = residual_shift(facts["passes"]) if shift is None else shift
         if foreign:  # the bundle's own form is made from them
             irs[name] = ir
         graph_role = graph_roles(ir, roles)

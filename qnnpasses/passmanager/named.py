@@ -146,12 +146,14 @@ register_pipeline(
 #: For graphs the HTP runs in fp16 mode (not integer mode): SiLU and Softmax in the forms it
 #: computes closer to fp32 (``tools/probe_fp16_ops.py``), at a few more ops each.
 HTP_FP16_FORMS = ("silu-tanh", "softmax-exp")
-#: Those forms as a pipeline to run after htp-llm (``qnnpasses llm`` runs it on fp16 pairs).
-HTP_FP16_FORMS_PIPELINE = f"{','.join(HTP_FP16_FORMS)},cleanup"
+#: What fp16 mode needs after htp-llm (``qnnpasses llm`` runs it on fp16 pairs): a residual stream
+#: past fp16's range carried at a power-of-two smaller scale (measured: a CPU run of the graph),
+#: then those forms.
+HTP_FP16_FORMS_PIPELINE = f"scale-residual,{','.join(HTP_FP16_FORMS)},cleanup"
 register_pipeline(
     "htp-llm-fp16",
     f"{htp_llm_text()},{HTP_FP16_FORMS_PIPELINE}",
-    "htp-llm, then SiLU and Softmax in the forms the HTP computes closer to fp32 in fp16 mode "
-    "(a few more ops; not for integer mode).",
+    "htp-llm, then a residual stream past fp16's range scaled into it, and SiLU and Softmax in the forms "
+    "the HTP computes closer to fp32 in fp16 mode (a few more ops; not for integer mode).",
 )
 register_pipeline("cleanup", "cleanup", "Dead-code removal and topological sort only.")
