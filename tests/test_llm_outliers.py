@@ -107,6 +107,9 @@ def test_outlier_rewrites_apply_to_both_graphs_and_keep_the_pair_exact(export, f
     paths, records = _rewrite(float_pair, real_calls, "fold-norm-weights,rotate-residual", tmp_path / "work")
     assert [(r["pass"], r["status"]) for r in records] == [("fold-norm-weights", "changed"),
                                                            ("rotate-residual", "changed")], records
+    # what the work folder keeps: the last pass's graphs and outputs (each graph is a copy of the weights)
+    assert sorted(p.name for p in (tmp_path / "work").iterdir() if p.suffix in (".onnx", ".data")) == [
+        "decode.2.onnx", "decode.2.onnx.data", "prefill.2.onnx", "prefill.2.onnx.data"]
     for record in records:
         for graph in ("prefill", "decode"):
             checks = record["graphs"][graph]

@@ -172,6 +172,13 @@ def discard(*stores: Path | None) -> None:
             shutil.rmtree(store, ignore_errors=True)
 
 
+def _drop_graphs(paths, work: Path) -> None:
+    """Remove graphs (and their data files) that an earlier step wrote into ``work``; never the inputs."""
+    for path in paths:
+        if path.parent == work:
+            _remove(path)
+
+
 def _remove(model: Path) -> None:
     for f in (model, model.with_name(model.name + ".data")):
         f.unlink(missing_ok=True)
@@ -318,12 +325,14 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
         if set(after) != set(current):
             record.update(status="rolled-back", reason=f"changed {sorted(after)} but not "
                           f"{sorted(set(current) - set(after))} ({statuses}): the graphs would hold different weights")
+            _drop_graphs(after.values(), work)
             continue
         shared = _shared(digests, new_digests)
         differ = sorted(n for n in shared if len({d[n] for d in new_digests.values()}) > 1)
         if differ:
             record.update(status="rolled-back", reason=f"{len(differ)} constants the graphs share by name came out "
                           f"different (first: {differ[0]})")
+            _drop_graphs(after.values(), work)
             continue
         record["shared_constants_identical"] = len(shared)
         new32, new64, ok = {}, {}, True
@@ -344,9 +353,11 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
         if not ok:
             record["status"] = "rolled-back"
             discard(*(work / f"{name}.{step + 1}.{kind}" for name in after for kind in ("fp32", "fp64")))
+            _drop_graphs(after.values(), work)
             continue
         record["status"] = "changed"
         discard(*(work / f"{name}.{kept}.{kind}" for name in current for kind in ("fp32", "fp64")))
+        _drop_graphs(current.values(), work)  # a full copy of the weights per graph and pass
         current, out32, out64, digests, kept = after, new32, new64, new_digests, step + 1
     return current, records
 
