@@ -702,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="export the trained models and write eval/calib/ref data")
     b.add_argument("--out", type=Path, default=DEFAULT_CACHE)
-    b.add_argument("--only", default=",".join(SPECS), help=f"comma-separated subset of {sorted(SPECS)}")
+    b.add_argument("--only", help=f"comma-separated subset of {sorted(SPECS)} (default: every one whose package "
+                                  "is installed)")
     b.add_argument("--exporters", default=",".join(EXPORTERS),
                    help=f"comma-separated subset of {list(EXPORTERS + KV_EXPORTERS + (HF_EXPORTER,))} "
                         "(KV-cache exports and the hf folder: causal LMs)")
@@ -722,7 +723,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(args.exporters.split(",")) - set(known)
         if unknown:
             parser.error(f"unknown exporters {sorted(unknown)} (choose from {list(known)})")
-        manifest = build(args.only.split(","), args.exporters.split(","), args.out)
+        names = args.only.split(",") if args.only else [n for n, spec in SPECS.items() if spec.missing() is None]
+        for name in sorted(set(SPECS) - set(names)) if not args.only else ():
+            log.warning("skipping %s: %s", name, SPECS[name].missing())
+        manifest = build(names, args.exporters.split(","), args.out)
         print(json.dumps({k: {e: {x: v.get(x) for x in ("torch_vs_onnx_max_abs", "nodes", "error")}
                               for e, v in r["exports"].items()} for k, r in manifest["models"].items()}, indent=1))
     elif args.command == "eval":
