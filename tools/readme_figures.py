@@ -7,7 +7,7 @@ A generated block in README.md is
     <!-- end -->
 
 where SOURCE is what a benchmark or sweep tool wrote (``docs/bench_htp.json`` from
-``tools/bench_htp.py``, ``docs/trained_smollm2.json`` from ``tools/trained_table.py``,
+``tools/bench_htp.py``, ``docs/trained_*.json`` from ``tools/trained_table.py``,
 ``docs/sweeps`` from ``qnnpasses sweep``, ``docs/bench_memory.md`` from
 ``tools/bench_memory.py``, ``docs/bench_speed.md`` from ``tools/bench.py``).  Run after a
 benchmark to update the README; ``--check`` (what ``tests/test_readme_figures.py`` runs)
@@ -141,14 +141,11 @@ def op_ratios(path: Path) -> str:
 
 @renderer("trained_table")
 def trained_table(path: Path) -> str:
-    result = json.loads(_read(path))
-    lines = ["| SmolLM2-135M on real English text | perplexity | top-1 agreement with fp32 |", "|---|---|---|"]
-    for row in result["rows"]:
-        ppl = f"{row['perplexity']:,.0f}" if row["perplexity"] >= 10_000 else f"{row['perplexity']:,.2f}"
-        lines.append(f"| {row['variant']} | {ppl} | {100 * row['top1']:.1f}% |")
-    lines += ["", (f"({result['windows']} held-out windows of {result['tokens_per_window']} tokens; "
-                   f"`python tools/trained_table.py`.)")]
-    return "\n".join(lines)
+    """The table ``tools/trained_table.py`` writes beside its JSON, rendered by that tool itself."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from trained_table import render
+
+    return render(json.loads(_read(path)))
 
 
 # --------------------------------------------------------------------------- docs/sweeps/*.md
