@@ -62,6 +62,16 @@ def test_a_stream_past_fp16_range_is_scaled_exactly(tmp_path):
     assert stats["writers"] == 2 * SHAPE.layers and stats["norms"] == 2 * SHAPE.layers + 1
     want, got = run_cpu(prepared, INPUTS)["logits"], run_cpu(scaled, INPUTS)["logits"]
     assert np.array_equal(want, got)  # powers of two: the fp32 function bit for bit
+    # the scaled projections stay recipes of the mapped weights until saved
+    import onnx_graphsurgeon as gs
+
+    from qnnpasses.ir.model import DerivedValues
+
+    ir = load_model(save_model(load_model(prepared), tmp_path / "external" / "m.onnx", external_data=True))
+    PassManager(parse_pipeline("scale-residual")).run(ir)
+    weights = [t for t in ir.graph.tensors().values() if isinstance(t, gs.Constant) and "stream_scale" in t.name
+               and len(t.shape) == 2]
+    assert len(weights) == 2 * SHAPE.layers and all(isinstance(t._values, DerivedValues) for t in weights)
 
 
 def test_a_stream_within_range_is_left_alone(tmp_path):

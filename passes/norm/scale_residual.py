@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
+import onnx_graphsurgeon as gs
 from qnnpasses.passes.outliers._stream import find_stream
 
-from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.model import IRModel, derived_from
 from qnnpasses.passmanager.api import (
     EXACT,
     NORMS_FUSED,
@@ -45,6 +47,11 @@ from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant,
 
 #: fp16's largest finite value
 FP16_MAX = 65504.0
+
+
+def _times(values: np.ndarray, factor: float) -> np.ndarray:
+    """``values·factor`` in their own dtype (a power of two: exact)."""
+    return values * values.dtype.type(factor)
 
 
 @register_pass
@@ -102,9 +109,10 @@ class ScaleResidual(Pass):
 
     def _scale_writers(self, ir: IRModel, ctx: PassContext, stream, scale: float) -> None:
         def scaled(node, index: int, what: str) -> None:
+            # a lazy recipe of a mapped weight: a large model's writers are never all in memory
             value = constant_value(node.inputs[index])
-            node.inputs[index] = make_constant(ir, ctx, f"{node.inputs[index].name}_{what}",
-                                               (value * scale).astype(value.dtype))
+            values = derived_from(value, partial(_times, factor=scale), dtype=value.dtype)
+            node.inputs[index] = gs.Constant(ctx.unique_name(ir, f"{node.inputs[index].name}_{what}"), values)
 
         if stream.embedding_scales:
             for node, index in stream.embedding_scales:
