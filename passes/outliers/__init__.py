@@ -1,3 +1,3 @@
-"""Outlier removal before quantization: rewrites that change no fp32 output but shrink the
-activation ranges a per-tensor quantizer has to cover (norm-weight folding, residual-stream
-rotation, SmoothQuant-style scale migration)."""
+"""Outliers in the residual stream: rewrites that change no fp32 output but shrink the ranges a
+per-tensor quantizer has to cover (norm-weight folding, residual-stream rotation,
+SmoothQuant-style scale migration), or keep the stream inside fp16's range (power-of-two scaling)."""
