@@ -11,8 +11,10 @@ original export:
    past length), ``simplify``, ``kv-new-outputs`` (outputs only the new K/V) and
    ``kv-split-concat`` (no Concat of the cache inside the graph), ``rotary-table`` (cos/sin rows
    for the N positions a cache of N slots can hold, gathered instead of computed: exact angles in fp16);
-2. the ``htp-llm`` pipeline, then for fp16 pairs :data:`FP16_PIPELINE` (``silu-tanh``,
-   ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in fp16 mode) and
+2. the ``htp-llm`` pipeline, then for fp16 pairs :data:`FP16_PIPELINE` (``scale-residual``: a
+   residual stream past fp16's range carried at 2^-k, the decode graph given the prefill graph's
+   k; ``silu-tanh``, ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in
+   fp16 mode) and
    ``logits-offset`` on the logits output (unless ``logits_offset`` is off: the logits relative
    to their row's maximum, subtracted before the lm_head's fp16 rounding, plus that maximum as
    ``<logits>_offset``; the manifest's ``logits_offset`` role names it) and ``tied-embedding``
