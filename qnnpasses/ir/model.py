@@ -697,6 +697,13 @@ def save_model(ir: IRModel, path: str | os.PathLike, *, external_data: bool | No
     return out
 
 
+def remove_model(path: str | os.PathLike) -> None:
+    """Delete a model :func:`save_model` wrote: ``path`` and the ``path.data`` beside it, where present."""
+    path = Path(path)
+    for f in (path, path.with_name(path.name + ".data")):
+        f.unlink(missing_ok=True)
+
+
 def _refuse_overwriting_input(ir: IRModel, out: Path, data_file: Path | None) -> None:
     protected = {path.resolve() for path in {s.path for s in _external_files(ir)}}  # resolve each file once
     if ir.path is not None:

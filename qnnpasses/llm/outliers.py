@@ -64,7 +64,7 @@ from qnnpasses.backends.cpu import (
     verification_cases,
 )
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import IRModel, derived_from, save_model
+from qnnpasses.ir.model import IRModel, derived_from, remove_model, save_model
 from qnnpasses.memory import release
 
 #: real calls of each graph the fp32 check runs on (the first calibration samples)
@@ -142,7 +142,7 @@ def run_cases(path: Path, cases: list[VerificationCase], *, float64: bool = Fals
     try:
         return _run(wide, cases, widen=True, store=store)
     finally:
-        _remove(wide)
+        remove_model(wide)
 
 
 def _run(path: Path, cases: list[VerificationCase], *, widen: bool, store: Path | None) -> list[dict[str, np.ndarray]]:
@@ -176,12 +176,7 @@ def _drop_graphs(paths, work: Path) -> None:
     """Remove graphs (and their data files) that an earlier step wrote into ``work``; never the inputs."""
     for path in paths:
         if path.parent == work:
-            _remove(path)
-
-
-def _remove(model: Path) -> None:
-    for f in (model, model.with_name(model.name + ".data")):
-        f.unlink(missing_ok=True)
+            remove_model(path)
 
 
 def constant_digests(ir: IRModel) -> dict[str, str]:
@@ -267,7 +262,7 @@ def ulp_floor(path: Path, cases: list[VerificationCase], reference: list[dict[st
                     floor[i][k] = (max(old[0], max_abs), min(old[1], cosine))
         finally:
             del outputs
-            _remove(moved)
+            remove_model(moved)
             discard(store)
     return floor
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.ir.model import IRModel, remove_model, save_model
 from qnnpasses.ir.op_kinds import LAYOUT
 from qnnpasses.llm.verify import PartsRunner, static_feed
 from qnnpasses.memory import release
@@ -320,6 +320,5 @@ def _keep_float(path: Path) -> Path:
     save_model(ir, target)
     del ir
     release()
-    for old in (path, path.with_name(path.name + ".data")):
-        old.unlink(missing_ok=True)
+    remove_model(path)
     return target

@@ -118,7 +118,8 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
         """The float weight as ``[K, N]`` (a view), its integer type and block size (0: per channel)."""
         node, axis = jobs[fname]
         dtype = inits[node.input[0]].data_type
-        wt = np.moveaxis(numpy_helper.to_array(float_inits[fname], base_dir=str(base)).astype(np.float32), axis, 1)
+        wt = np.moveaxis(numpy_helper.to_array(float_inits[fname], base_dir=str(base)).astype(np.float32, copy=False),
+                         axis, 1)
         blocks = block_size if dtype == TensorProto.INT4 else None  # 8-bit weights stay per channel
         return wt, dtype, blocks if blocks and wt.shape[0] % blocks == 0 and wt.shape[0] > blocks else 0
 
