@@ -621,7 +621,8 @@ def _quant_note(doc: dict[str, Any]) -> str:
                              + (" (applied to both float graphs alike before calibration, each pass checked in "
                                 "float64 on the pass manager's cases and in fp32 on real calls: "
                                 "`qnnpasses/llm/outliers.py`)" if q.get("recipe", 0) >= 2 else "") + ": "
-                             + ", ".join(f"{k} {v}" for k, v in q.get("outlier_rewrites", {}).items())
+                             + ", ".join(f"{k} {v}" + (f" ({q['outlier_reasons'][k]})" if k in q.get("outlier_reasons", {})
+                                                          else "") for k, v in q.get("outlier_rewrites", {}).items())
                              + (" (rolled back: the pass manager's CPU check found the outputs beyond the pass's "
                                 "declared tolerance, so the graph kept its norm weights)"
                                 if "rolled-back" in q.get("outlier_rewrites", {}).values() else "")
@@ -758,8 +759,11 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             passes = q.get("outlier_rewrites") or [p for p in q["graphs"]["prefill"]["prep_passes"]
                                                    if p["pass"] in ("fold-norm-weights", "rotate-residual", "smooth-mlp")]
             outliers = {p["pass"]: p["status"] for p in passes}
+            # why a rewrite did not apply: its first reason, as the pass gave it
+            refused = {p["pass"]: p["reason"].split("; ")[0] for p in passes if p["status"] != "changed" and p.get("reason")}
             res["builds"][precision]["quantization"] = {**{k: q[k] for k in ("samples", "shared_tensors", "ties")},
                                                         "sequences": sequences, "outlier_rewrites": outliers,
+                                                        "outlier_reasons": refused,
                                                         "recipe": q.get("recipe", 1), "lm_head": q.get("lm_head"),
                                                         "weight_rounding": q["graphs"]["prefill"]["policy"].get(
                                                             "weight_rounding", "nearest"),
