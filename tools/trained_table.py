@@ -30,8 +30,8 @@ from trained_fixtures import DEFAULT_CACHE, SPECS, evaluate
 
 MODEL = "smollm2_135m"
 #: how the tables name the models, and the docs/ file each writes
-TITLES = {name: (SPECS[name].title, doc) for name, doc in (("smollm2_135m", "trained_smollm2"),
-                                                               ("gemma3_270m", "trained_gemma3"))}
+TITLES = {name: (SPECS[name].title, doc)
+          for name, doc in (("smollm2_135m", "trained_smollm2"), ("gemma3_270m", "trained_gemma3"))}
 
 
 def measure(cache: Path, windows: int, model: str = MODEL, pipelines: tuple[str, ...] = ("htp-llm",)) -> dict:
