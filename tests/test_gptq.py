@@ -261,3 +261,18 @@ def test_hessians_in_small_chunks_equal_one_pass(data, tmp_path):
     assert all(np.allclose(merged[k], whole[0].hessians[k], rtol=1e-12) for k in merged)
     h = next(iter(merged.values()))
     assert np.allclose(h, h.T) and np.all(np.linalg.eigvalsh(h) > -1e-6 * np.abs(h).max())
+
+
+def test_gptq_reads_weights_kept_in_an_external_file(data, tmp_path):
+    """A model whose weights lie in an external file (every real LLM): GPTQ reads them while its probe
+    runs on the same file (onnx refuses a weight file with several hard links, so the probe must not
+    link it), and writes exactly the weights it writes for the same model stored inline."""
+    from qnnpasses.ir.model import save_model
+
+    external = save_model(load_model(fixture_path(LLAMA)), tmp_path / "external" / "model.onnx", external_data=True)
+    policy = PrecisionPolicy(weights="int8", weight_rounding="gptq", outliers="")
+    quantize_model(external, data / "calib.npz", tmp_path / "external.qdq.onnx", policy)
+    quantize_model(fixture_path(LLAMA), data / "calib.npz", tmp_path / "inline.qdq.onnx", policy)
+    got, want = _dequantized(tmp_path / "external.qdq.onnx"), _dequantized(tmp_path / "inline.qdq.onnx")
+    assert set(got) == set(want) and len(want) >= 14
+    assert all(np.array_equal(got[k], want[k]) for k in want)

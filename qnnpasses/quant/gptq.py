@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -231,37 +228,26 @@ def chunks(tensors: dict[str, int], budget_bytes: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-def external_locations(model: onnx.ModelProto) -> set[str]:
-    """The external data files the initializers of ``model`` name (relative to the model's folder)."""
-    return {entry.value for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
-            for entry in init.external_data if entry.key == "location"}
-
-
 class HessianProbe:
     """The float model with the wanted tensors as extra outputs, on onnxruntime CPU."""
 
     def __init__(self, model_path: str | Path, tensors: list[str]):
         import onnxruntime as ort
 
-        self._tmp = tempfile.TemporaryDirectory(prefix="qnnpasses-gptq-")
-        folder = Path(self._tmp.name)
         model = onnx.load(str(model_path), load_external_data=False)  # the weights stay in their files
         known = {o.name for o in model.graph.output}
         for name in tensors:
             if name not in known:
                 model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-        for location in external_locations(model):  # beside the probe: onnxruntime reads no other folder
-            (folder / location).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(Path(model_path).parent / location, folder / location)
-            except OSError:  # another file system
-                shutil.copyfile(Path(model_path).parent / location, folder / location)
-        path = folder / "probe.onnx"
-        onnx.save(model, str(path))
-        del model
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        # the probe is built from bytes and reads the weights where they are: no copy, and no second
+        # link to the file (onnx >= 1.23 refuses to read a weight file that has several)
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(Path(model_path).resolve().parent))
+        probe = model.SerializeToString()
+        del model
+        self.session = ort.InferenceSession(probe, options, providers=["CPUExecutionProvider"])
 
     def hessians(self, calib, names: list[str]) -> tuple[dict[str, np.ndarray], int]:
         """``Σ xᵀx`` per tensor over every calibration sample (float64), and the token count."""
@@ -280,7 +266,6 @@ class HessianProbe:
 
     def close(self) -> None:
         self.session = None
-        self._tmp.cleanup()
 
 
 @dataclass
