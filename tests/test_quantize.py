@@ -11,6 +11,7 @@ import onnx
 import pytest
 from conftest import fixture_path, requires_htp
 from onnx import numpy_helper
+from onnxruntime.quantization import QuantType
 
 from qnnpasses.cli import main as cli
 from qnnpasses.ir.load import load_model
@@ -71,9 +72,10 @@ def test_plan_finds_sensitive_tensors_by_structure():
     plan = make_plan(ir, MIXED)
     assert all(plan.overrides[n][0]["quant_type"].name == "QUInt16" for n in found)
     assert plan.per_channel and set(plan.per_channel.values()) == {1}  # 2-D MatMul weights, output axis
-    gammas = [n.inputs[1].name for n in norms]
-    assert all(plan.overrides[g] == [{"quant_type": plan.overrides[g][0]["quant_type"], "symmetric": False}]
-               and plan.overrides[g][0]["quant_type"].name == "QUInt8" for g in gammas)
+    gammas = [n.inputs[1].name for n in norms]  # the norms compute in 16 bit: so do their scales
+    assert all(plan.overrides[g] == [{"quant_type": QuantType.QUInt16, "symmetric": True}] for g in gammas)
+    plain = make_plan(ir, PrecisionPolicy(act="uint8", weights="int8", per_channel=True, sensitive_bits=8))
+    assert all(plain.overrides[g] == [{"quant_type": QuantType.QUInt8, "symmetric": False}] for g in gammas)
 
 
 def test_kv_cache_tensors_are_found_at_the_boundary():

@@ -26,10 +26,12 @@ results match onnxruntime's to cosine 0.99999).  Head-major 4-D projection weigh
 ``[1, H, K, D]`` (``layout{head_proj}``) stay per-tensor: their output channels span two
 axes, and the HTP rejects a per-channel axis other than the last on a batched MatMul
 ("expected equal to 3"); run the pipeline with ``layout{head_proj=false}`` to get them 2-D.
-Constants of other ops are per tensor.  Norm scales (gamma) are always asymmetric uint8:
-measured on the HTP, LayerNorm rejects an int8 gamma ("None of the combinations match" --
-which is what onnxruntime's own QNN recipe produces with int8 weights) and a uint16 one
-unless symmetric; uint8 works with 8- and 16-bit activations.
+Constants of other ops are per tensor.  Norm scales (gamma) are per tensor, symmetric uint16
+where the norms compute in 16 bit, asymmetric uint8 otherwise: measured on the HTP, LayerNorm
+rejects an int8 gamma ("None of the combinations match" -- which is what onnxruntime's own QNN
+recipe produces with int8 weights) and a uint16 one unless symmetric; uint8 works with 8- and
+16-bit activations, but one 8-bit step per tensor rounds a trained gamma's small channels away
+(a trained Gemma 3's scales span two orders of magnitude).
 
 ``kv_bits`` quantizes the KV cache at the graph boundary (``past_key_values.*`` inputs and
 the ``present.*`` outputs that extend them).  onnxruntime's QNN configuration inserts the
@@ -368,7 +370,8 @@ def make_plan(ir: IRModel, policy: PrecisionPolicy) -> Plan:
             plan.per_channel[name] = axis
         plan.overrides[name] = [entry]
     for name in norm_scales(ir.graph):  # the HTP's LayerNorm rejects int8 and asymmetric uint16 gammas
-        plan.overrides[name] = [{"quant_type": QuantType.QUInt16, "symmetric": True} if policy.const_bits == 16
+        plan.overrides[name] = [{"quant_type": QuantType.QUInt16, "symmetric": True}
+                                if 16 in (policy.const_bits, policy.sensitive_bits or policy.act_bits)
                                 else {"quant_type": QuantType.QUInt8, "symmetric": False}]
     if policy.const_bits == 16:  # biases and the like at the activations' 16-bit grid
         for node in ir.graph.nodes:
