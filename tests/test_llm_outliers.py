@@ -145,6 +145,18 @@ def test_outlier_rewrites_apply_to_both_graphs_and_keep_the_pair_exact(export, f
     assert result["kv"] <= 1e-4 + (1e-4 + ROUNDING) * result["kv_scale"], result  # fp16 cache: rounded K/V
 
 
+def test_a_fold_that_no_rotation_follows_is_undone(float_pair, real_calls, tmp_path):
+    """fold-norm-weights is there to let rotate-residual through the norms: a pair it changes alone
+    is quantized without it (the norm scales stay in the norms, out of the int8 weights)."""
+    from qnnpasses.llm.outliers import undo_lone_fold
+
+    _, records = _rewrite(float_pair, real_calls, "fold-norm-weights", tmp_path / "alone")
+    assert records[0]["status"] == "changed" and undo_lone_fold(records)
+    assert records[0]["status"] == "undone" and "no rotation" in records[0]["reason"]
+    _, records = _rewrite(float_pair, real_calls, "fold-norm-weights,rotate-residual", tmp_path / "both")
+    assert not undo_lone_fold(records) and [r["status"] for r in records] == ["changed", "changed"]
+
+
 def test_a_rewrite_that_is_not_exact_or_not_in_both_graphs_is_rolled_back_on_both(float_pair, real_calls, tmp_path):
     from dataclasses import dataclass
 

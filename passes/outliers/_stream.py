@@ -1,7 +1,8 @@
 """Finding a pre-norm residual stream and the weights that read and write it.
 
 A pre-norm decoder (LLaMA, Qwen2, Mistral, Phi-3, SmolLM2 after ``htp-llm``) keeps one
-running sum ``h``: the token embedding, plus each block's ``o_proj``/``down_proj`` output.
+running sum ``h``: the token embedding, plus each block's ``o_proj``/``down_proj`` output
+(Gemma 2/3: the embedding times ``sqrt(hidden)``, plus each block's post-norm of them).
 Every block reads ``h`` only through an ``RMSNormalization`` whose output feeds projection
 MatMuls; the final norm feeds the lm_head.  :func:`find_stream` walks it from the embedding
 ``Gather`` and returns every constant that touches it, or the reason the graph is not of this
@@ -10,7 +11,8 @@ shape (then nothing may be rotated).
 Shapes the walk accepts: ``Reshape`` that keeps the hidden size as the last dimension
 (``htp-llm`` works on ``[S, hidden]`` rows), residual ``Add``, ``RMSNormalization`` over the
 last axis.  A writer is ``MatMul(x, W)`` with a constant ``W[..., hidden]`` (optionally
-``+ bias`` and ``Reshape``), whose result reaches the residual ``Add`` and nothing else.
+``+ bias`` and ``Reshape``), or an ``RMSNormalization`` with a constant scale (a post-norm),
+whose result reaches the residual ``Add`` and nothing else.
 A reader is ``MatMul(norm_out, W)`` with a constant ``W[..., hidden, N]``, 2-D or head-major
 4-D (``layout{head_proj}``), optionally behind a last-dim-keeping ``Reshape``.
 """
@@ -38,7 +40,6 @@ class Stream:
     readers: list[gs.Node] = field(default_factory=list)  # MatMul(norm_out, W[..., hidden, N])
     writers: list[gs.Node] = field(default_factory=list)  # MatMul(x, W[..., hidden]) into the stream
     biases: list[tuple[gs.Node, int]] = field(default_factory=list)  # Add(., const[..., hidden]) on the way
-    # scaling walks only (find_stream(scaling=True)):
     norm_writers: list[gs.Node] = field(default_factory=list)  # a block's post-norm, added into the stream
     embedding_scales: list[tuple[gs.Node, int]] = field(default_factory=list)  # Mul(embedding, const scalar)
     tensors: list[str] = field(default_factory=list)  # every tensor of the stream
@@ -75,39 +76,54 @@ def norm_consumers(graph: gs.Graph, norm: gs.Node, hidden: int) -> tuple[list[gs
     return readers, ""
 
 
-def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream, scaling: bool = False) -> str:
-    """Trace a tensor added into the stream back to its projection MatMul (or, when ``scaling``, to a
-    normalization with a constant scale: Gemma's post-norms); "" or why not."""
+def trace_projection(graph: gs.Graph, t: gs.Tensor, hidden: int, norm_ops: tuple[str, ...] = ()
+                     ) -> tuple[gs.Node | None, list[tuple[gs.Node, int]], str]:
+    """The node that computes ``t`` for ``t`` alone: a projection ``MatMul(x, W[..., hidden])`` or, with
+    ``norm_ops``, a normalization with a constant scale (Gemma's post-norms), through last-dim-keeping
+    reshapes and constant bias ``Add``\\ s (no bias before a normalization).  Returns (node, the
+    ``(Add, constant index)`` biases on the way, "") or (None, [], why not)."""
     biases = []
     while True:
         if len(t.outputs) != 1 or t in graph.outputs:
-            return f"'{t.name}' (added into the residual stream) has other readers"
+            return None, [], f"'{t.name}' has other readers"
         node = producer(t)
         if node is None:
-            return f"'{t.name}' added into the residual stream is not computed by a projection"
+            return None, [], f"'{t.name}' is not computed by a projection"
         if _keeps_last(node, hidden):
             t = node.inputs[0]
             continue
         if node.op == "Add":
             consts = [i for i, x in enumerate(node.inputs) if constant_value(x) is not None]
             if len(consts) != 1:
-                return f"'{node.name}' adds two activations before the residual stream"
+                return None, [], f"'{node.name}' adds two activations"
             bias = constant_value(node.inputs[consts[0]])
             if bias.shape[-1:] != (hidden,):
-                return f"'{node.name}' adds a constant of shape {list(bias.shape)}"
+                return None, [], f"'{node.name}' adds a constant of shape {list(bias.shape)}"
             biases.append((node, consts[0]))
             t = node.inputs[1 - consts[0]]
             continue
-        if scaling and not biases and node.op in SCALED_NORM_OPS and _const_input(node, 1) is not None \
-                and _const_input(node, 1).shape[-1:] == (hidden,):
-            stream.norm_writers.append(node)
-            return ""
+        scale = _const_input(node, 1) if node.op in norm_ops else None
+        if not biases and scale is not None and scale.shape[-1:] == (hidden,) \
+                and node.attrs.get("axis", -1) in (-1, len(node.outputs[0].shape or ()) - 1):
+            return node, [], ""
         weight = _const_input(node, 1) if node.op == "MatMul" else None
         if weight is None or weight.shape[-1] != hidden:
-            return f"'{t.name}' added into the residual stream comes from {node.op} '{node.name}'"
+            return None, [], f"'{t.name}' comes from {node.op} '{node.name}'"
+        return node, biases, ""
+
+
+def _writer(graph: gs.Graph, t: gs.Tensor, hidden: int, stream: Stream, norm_ops: tuple[str, ...]) -> str:
+    """Record the writer of a tensor added into the stream (a projection, or a normalization of
+    ``norm_ops`` with a constant scale); "" or why it is not one."""
+    node, biases, why = trace_projection(graph, t, hidden, norm_ops)
+    if node is None:
+        return f"added into the residual stream: {why}"
+    if node.op == "MatMul":
         stream.writers.append(node)
         stream.biases += biases
-        return ""
+    else:
+        stream.norm_writers.append(node)
+    return ""
 
 
 def find_stream(graph: gs.Graph, scaling: bool = False) -> tuple[Stream | None, str]:
@@ -115,10 +131,11 @@ def find_stream(graph: gs.Graph, scaling: bool = False) -> tuple[Stream | None, 
 
     The token embedding is the Gather from a constant 2-D table, indexed by a graph input, whose
     output the walk accepts as a residual stream (a static pair also gathers cos/sin rows by
-    ``position_ids``).  ``scaling``: the stream as a uniform rescaling sees it (``scale-residual``):
-    it also accepts a constant scalar ``Mul`` of the embedding before the first residual ``Add``
-    (Gemma's ``sqrt(hidden)``), normalizations with a constant scale as writers (Gemma's
-    post-norms) and ``LayerNormalization`` readers, and does not look past the readers' norms."""
+    ``position_ids``).  Both walks accept a constant scalar ``Mul`` of the embedding before the
+    first residual ``Add`` (Gemma's ``sqrt(hidden)``) and normalizations with a constant scale as
+    writers (Gemma's post-norms: ``RMSNormalization``).  ``scaling``: the stream as a uniform
+    rescaling sees it (``scale-residual``): ``LayerNormalization`` also counts as a reader or
+    post-norm, and the walk does not look past the readers' norms."""
     inputs = {t.name for t in graph.inputs}
     gathers = [n for n in graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant)
                and len(n.inputs[0].shape) == 2 and n.attrs.get("axis", 0) == 0
@@ -154,14 +171,14 @@ def _walk(graph: gs.Graph, embed: gs.Node, scaling: bool = False) -> tuple[Strea
         for node in t.outputs:
             if _keeps_last(node, hidden):
                 todo.append(node.outputs[0])
-            elif node.op == "Mul" and scaling and not stream.writers and not stream.norm_writers \
+            elif node.op == "Mul" and not stream.writers and not stream.norm_writers \
                     and (index := _scalar_factor(node, t)) is not None:
                 stream.embedding_scales.append((node, index))
                 todo.append(node.outputs[0])
             elif node.op == "Add":
                 other = node.inputs[1] if node.inputs[0] is t else node.inputs[0]
                 if other.name not in seen and not _reaches_from(other, seen):
-                    why = _writer(graph, other, hidden, stream, scaling)
+                    why = _writer(graph, other, hidden, stream, SCALED_NORM_OPS if scaling else NORM_OPS)
                     if why:
                         return None, why
                 todo.append(node.outputs[0])

@@ -70,6 +70,9 @@ from qnnpasses.memory import release
 #: real calls of each graph the fp32 check runs on (the first calibration samples)
 REAL_SAMPLES = 4
 CASE_REAL = "given"
+#: the rotation a stream gets when it cannot go into the readers' weights (post-norms write the stream,
+#: so the fold alone ran): turned back after each norm by a MatMul, every weight left as it was
+UNTURNED = "rotate-residual{unturn=true,post_norms=true}"
 
 
 def float64_model(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -355,6 +358,29 @@ def rewrite_pair(paths: dict[str, Path], spec: str, real: dict[str, list[dict[st
         _drop_graphs(current.values(), work)  # a full copy of the weights per graph and pass
         current, out32, out64, digests, kept = after, new32, new64, new_digests, step + 1
     return current, records
+
+
+def post_norms_refused(records: list[dict[str, Any]]) -> bool:
+    """True when ``rotate-residual`` found the stream but left it because post-norms write it (its
+    stats count them): then :data:`UNTURNED` can turn it."""
+    return any(r["pass"] == "rotate-residual" and r["status"] == "unchanged"
+               and any(stats.get("post_norms") for stats in r["stats"].values()) for r in records)
+
+
+def undo_lone_fold(records: list[dict[str, Any]]) -> bool:
+    """True (and the fold's record marked "undone") when ``fold-norm-weights`` is the only rewrite of
+    ``records`` that changed the graphs: then they are to be quantized as they were.
+
+    The fold exists so that a rotation can pass the norms; alone it moves each norm's per-channel
+    scale into the projections that read it, where a few large scales set every output channel's
+    int8 step (trained Gemma 3, whose post-norms stop the rotation, lost much of its w8a16 top-1
+    agreement to it)."""
+    changed = [r for r in records if r["status"] == "changed"]
+    if len(changed) != 1 or changed[0]["pass"] != "fold-norm-weights":
+        return False
+    changed[0].update(status="undone", reason="no rotation followed it: the scales stay in the norms, "
+                      "not in the int8 weights")
+    return True
 
 
 def _shared(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]) -> set[str]:

@@ -33,8 +33,9 @@ from qnnpasses.passmanager.rewrite import constant_value
 MAX_SAMPLES = 64
 #: what a quantized pair's report records as ``quantization.recipe``; bumped when the way a pair is
 #: quantized changes (2: outlier rewrites on both graphs at once, :mod:`qnnpasses.llm.outliers`; 3: 2-D Q/K/V;
-#: 4: decode's own activation ranges; 5: 16-bit lm_head; 6: its check allows GPTQ's moves)
-RECIPE = 6
+#: 4: decode's own activation ranges; 5: 16-bit lm_head; 6: its check allows GPTQ's moves; 7: 16-bit norm
+#: scales; a stream the rotation cannot pass into the weights is turned back after each norm instead)
+RECIPE = 7
 
 
 def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
@@ -152,7 +153,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         raise BadInputError(f"{options.precision}: not available yet") from None
     if options.precision not in PRECISIONS:
         raise BadInputError(f"{options.precision}: not available yet")
-    from qnnpasses.llm.outliers import REAL_SAMPLES, rewrite_pair
+    from qnnpasses.llm.outliers import REAL_SAMPLES, UNTURNED, post_norms_refused, rewrite_pair, undo_lone_fold
     from qnnpasses.quant.calibration import CalibrationData, model_inputs
 
     source_ids = manifest["source_roles"]["input_ids"]
@@ -179,6 +180,11 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         rewritten, records = floats, []
         if policy.outliers:
             rewritten, records = rewrite_pair(floats, policy.outliers, real, Path(tmp) / "outliers")
+            if undo_lone_fold(records):
+                rewritten = floats
+            if post_norms_refused(records):  # turned back after each norm instead, the weights left alone
+                rewritten, more = rewrite_pair(floats, UNTURNED, real, Path(tmp) / "unturned")
+                records += more
         models = {name: load_model(path) for name, path in rewritten.items()}
         for ir in models.values():  # the tensors a new K/V output is moved from carry its encoding too
             for new, past in list(ties.items()):
