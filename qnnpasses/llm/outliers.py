@@ -1,7 +1,9 @@
 """The outlier rewrites of a quantized pair: one rewrite for both graphs, verified as exact in float64.
 
 ``--precision w8a16|w4a16`` runs ``fold-norm-weights,rotate-residual`` (``passes/outliers``)
-before calibrating, as ``qnnpasses quantize`` does for one graph.  For a prefill + decode pair
+before calibrating, as ``qnnpasses quantize`` does for one graph (where post-norms keep the
+rotation out of the weights, the pair drops the fold and runs :data:`UNTURNED` instead:
+:func:`undo_lone_fold`, :func:`post_norms_refused`).  For a prefill + decode pair
 :func:`rewrite_pair` applies them here, not per graph inside the quantizer, because of two
 things the pass manager's per-graph check cannot know:
 
