@@ -57,6 +57,47 @@ def test_fold_and_rotate_keep_the_function(name, tmp_path):
     assert rot.verification["ok"] and rot.verification["cosine"] > 0.999999
 
 
+def test_fold_and_rotate_leave_mapped_weights_on_disk(tmp_path):
+    """On a model whose weights are mapped from a file, every folded and turned projection and the
+    turned embedding stay recipes until written (a 0.5 B model's weights are never all in memory),
+    and what is written is the float64 product, block by block, in the weight's own dtype."""
+    from qnnpasses.ir.model import DerivedValues
+    from qnnpasses.passmanager.spec import parse_pipeline
+
+    path = save_model(load_model(_prepared("llama_gqa_ts", tmp_path)), tmp_path / "mapped" / "m.onnx", external_data=True)
+    ir = load_model(path)
+    table_name = next(n.inputs[0].name for n in ir.graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant))
+    table = constant_value(next(t for t in ir.graph.tensors().values() if t.name == table_name)).copy()
+    result = PassManager(parse_pipeline("fold-norm-weights,rotate-residual")).run(ir)
+    assert [r.status for r in result.records] == ["changed", "changed"]
+    turned = [t for t in ir.graph.tensors().values() if isinstance(t, gs.Constant) and len(t.shape) >= 2
+              and ("_rot" in t.name or "_gamma" in t.name)]
+    stats = result.records[1].stats
+    assert len(turned) == stats["readers"] + stats["writers"] + 1 and all(isinstance(t._values, DerivedValues) for t in turned), \
+        [t.name for t in turned if not isinstance(t._values, DerivedValues)]
+    out = load_model(save_model(ir, tmp_path / "turned.onnx", external_data=True))
+    gather = next(n for n in out.graph.nodes if n.op == "Gather" and isinstance(n.inputs[0], gs.Constant))
+    r, _ = rotation(table.shape[1], "auto", 0)
+    np.testing.assert_array_equal(constant_value(gather.inputs[0]), (table.astype(np.float64) @ r).astype(table.dtype))
+
+
+def test_block_products_equal_the_whole_products(monkeypatch):
+    from qnnpasses.passes.outliers import _products
+
+    rng = np.random.default_rng(0)
+    w, m = rng.standard_normal((3, 40, 24)).astype(np.float32), rng.standard_normal((24, 24))
+    left, scale = rng.standard_normal((40, 40)), rng.uniform(0.5, 2, 40)
+    whole = (_products.times_right(w, m), _products.times_left(left, w), _products.scale_rows(w, scale))
+    monkeypatch.setattr(_products, "BLOCK_ELEMENTS", 7)  # many blocks, one not full
+    blocks = (_products.times_right(w, m), _products.times_left(left, w), _products.scale_rows(w, scale))
+    expected = ((w.astype(np.float64) @ m).astype(np.float32), np.matmul(left, w.astype(np.float64)).astype(np.float32),
+                (scale[:, None] * w.astype(np.float64)).astype(np.float32))
+    for got_whole, got_blocks, want in zip(whole, blocks, expected):
+        assert got_whole.dtype == np.float32
+        np.testing.assert_allclose(got_whole, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got_blocks, want, rtol=1e-6, atol=1e-6)
+
+
 def test_rotation_spreads_a_massive_channel(tmp_path):
     """A spike of 1000 in one channel of every embedding row becomes ±1000/√n spread over all n."""
     path = _prepared("llama_gqa_ts", tmp_path, spike=1000.0)

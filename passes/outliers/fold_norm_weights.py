@@ -17,8 +17,10 @@ than an order of magnitude).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
+from qnnpasses.passes.outliers._products import scale_rows
 from qnnpasses.passes.outliers._stream import NORM_OPS, norm_consumers
 
 from qnnpasses.ir.model import IRModel
@@ -30,7 +32,7 @@ from qnnpasses.passmanager.api import (
     PassResult,
     register_pass,
 )
-from qnnpasses.passmanager.rewrite import constant_value, make_constant
+from qnnpasses.passmanager.rewrite import constant_value, derived_constant, make_constant
 
 
 @register_pass
@@ -56,11 +58,10 @@ class FoldNormWeights(Pass):
                 skipped += 1
                 notes.append(why or f"{norm.name}: nothing reads it")
                 continue
-            g = gamma.astype(np.float64)
-            for reader in readers:
-                w = constant_value(reader.inputs[1])
-                new = (g[:, None] * w.astype(np.float64)).astype(w.dtype)
-                reader.inputs[1] = make_constant(ir, ctx, f"{reader.inputs[1].name}_gamma", new)
+            for reader in readers:  # a recipe: a large model's projections are never all in memory
+                w = reader.inputs[1]
+                reader.inputs[1] = derived_constant(ir, ctx, f"{w.name}_gamma", w,
+                                                    partial(scale_rows, scale=gamma.astype(np.float64)), same_shape=True)
             norm.inputs[1] = make_constant(ir, ctx, f"{norm.inputs[1].name}_ones", np.ones_like(gamma))
             folded += 1
         return PassResult(changed=folded > 0, stats={"folded": folded, "skipped": skipped},

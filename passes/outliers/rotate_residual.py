@@ -47,9 +47,11 @@ This is QuaRot / SpinQuant's offline ``R1`` rotation; see :mod:`._orthogonal` fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from qnnpasses.passes.outliers._orthogonal import rotation
+from qnnpasses.passes.outliers._products import times_left, times_right
 from qnnpasses.passes.outliers._stream import find_stream, trace_projection
 
 from qnnpasses.errors import BadInputError
@@ -62,7 +64,7 @@ from qnnpasses.passmanager.api import (
     approximate,
     register_pass,
 )
-from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, make_node
+from qnnpasses.passmanager.rewrite import constant_value, derived_constant, finish, make_constant, make_node
 
 
 @register_pass
@@ -102,16 +104,18 @@ class RotateResidual(Pass):
         except ValueError as exc:
             raise BadInputError(f"rotate-residual: {exc}") from None
 
-        def turn(node, index: int, value: np.ndarray, suffix: str) -> None:
-            node.inputs[index] = make_constant(ir, ctx, f"{node.inputs[index].name}_{suffix}",
-                                               value.astype(constant_value(node.inputs[index]).dtype))
+        def turn(node, index: int, product, suffix: str) -> None:
+            """``node``'s constant input ``index`` becomes ``product(value)``, a recipe computed as it is saved."""
+            tensor = node.inputs[index]
+            node.inputs[index] = derived_constant(ir, ctx, f"{tensor.name}_{suffix}", tensor, product, same_shape=True)
 
+        right = partial(times_right, m=r)
         for embed in stream.embeddings:
-            turn(embed, 0, constant_value(embed.inputs[0]).astype(np.float64) @ r, "rot")
+            turn(embed, 0, right, "rot")
         for node in stream.writers:
-            turn(node, 1, constant_value(node.inputs[1]).astype(np.float64) @ r, "rot")
+            turn(node, 1, right, "rot")
         for node, index in stream.biases:
-            turn(node, index, constant_value(node.inputs[index]).astype(np.float64) @ r, "rot")
+            turn(node, index, right, "rot")
         if self.options.unturn:  # norm(h·R; 1)·Rᵀ·diag(γ) = norm(h; γ): the readers see what they saw
             for norm in stream.norms:
                 gamma = constant_value(norm.inputs[1]).astype(np.float64).reshape(-1)
@@ -121,7 +125,7 @@ class RotateResidual(Pass):
             spread = 0
         else:
             for node in stream.readers:
-                turn(node, 1, np.matmul(r.T, constant_value(node.inputs[1]).astype(np.float64)), "rot")
+                turn(node, 1, partial(times_left, r.T), "rot")
             spread = sum(self._post_norm(ir, ctx, norm, r, turn) for norm in stream.norm_writers)
         added = len(stream.norm_writers) + (len(stream.norms) if self.options.unturn else 0)
         if added:
@@ -142,9 +146,10 @@ class RotateResidual(Pass):
         source, biases, _ = trace_projection(ir.graph, norm.inputs[0], r.shape[0])
         weight = gamma[:, None] * r
         if source is not None:
-            turn(source, 1, constant_value(source.inputs[1]).astype(np.float64) @ r, "rot")
+            right = partial(times_right, m=r)
+            turn(source, 1, right, "rot")
             for node, index in biases:
-                turn(node, index, constant_value(node.inputs[index]).astype(np.float64) @ r, "rot")
+                turn(node, index, right, "rot")
             weight = r.T @ weight
         _after(ir, ctx, norm, weight, "gamma_rot")
         return source is not None

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
-import onnx_graphsurgeon as gs
 from qnnpasses.passes.outliers._stream import find_stream
 
-from qnnpasses.ir.model import IRModel, derived_from
+from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import (
     EXACT,
     NORMS_FUSED,
@@ -43,7 +42,7 @@ from qnnpasses.passmanager.api import (
     register_pass,
 )
 from qnnpasses.passmanager.probe import calibration_samples, intermediate_values
-from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, make_node
+from qnnpasses.passmanager.rewrite import constant_value, derived_constant, finish, make_constant, make_node
 
 #: fp16's largest finite value
 FP16_MAX = 65504.0
@@ -110,9 +109,9 @@ class ScaleResidual(Pass):
     def _scale_writers(self, ir: IRModel, ctx: PassContext, stream, scale: float) -> None:
         def scaled(node, index: int, what: str) -> None:
             # a lazy recipe of a mapped weight: a large model's writers are never all in memory
-            value = constant_value(node.inputs[index])
-            values = derived_from(value, partial(_times, factor=scale), dtype=value.dtype)
-            node.inputs[index] = gs.Constant(ctx.unique_name(ir, f"{node.inputs[index].name}_{what}"), values)
+            tensor = node.inputs[index]
+            node.inputs[index] = derived_constant(ir, ctx, f"{tensor.name}_{what}", tensor,
+                                                  partial(_times, factor=scale), same_shape=True)
 
         if stream.embedding_scales:
             for node, index in stream.embedding_scales:

@@ -109,12 +109,19 @@ def mapped_source(values) -> ExternalSource | None:
     return None
 
 
-def derived_from(values: np.ndarray, transform, *, dtype=None) -> np.ndarray | DerivedValues:
+def derived_from(values: np.ndarray | DerivedValues, transform, *, dtype=None) -> np.ndarray | DerivedValues:
     """``transform(values)`` for a new constant: a lazy recipe when ``values`` is a weight
-    mapped from an external file, else computed now.  ``transform`` must be a pure
-    function of its input array (reshape, transpose, slicing, arithmetic).  ``dtype``: the
-    dtype of an elementwise ``transform`` that changes it (a widening ``astype``), whose output
-    keeps the input's shape."""
+    mapped from an external file or itself a recipe (the two compose), else computed now.
+    ``transform`` must be a pure function of its input array (reshape, transpose, slicing,
+    arithmetic, a product with a fixed matrix).  ``dtype``: the output dtype of a ``transform``
+    whose output keeps the input's shape (a widening ``astype``, ``W·R`` with a square ``R``);
+    then the shape is known without running it, else it is learnt on a zero-strided stand-in."""
+    if isinstance(values, DerivedValues):
+        shape = tuple(values.tensor.dims)
+        in_dtype = onnx.helper.tensor_dtype_to_np_dtype(values.tensor.data_type)
+        ghost = np.lib.stride_tricks.as_strided(np.zeros(1, in_dtype), shape=shape, strides=(0,) * len(shape))
+        out_shape = shape if dtype is not None else np.shape(transform(ghost))
+        return DerivedValues(out_shape, dtype or in_dtype, lambda: np.ascontiguousarray(transform(values.load())))
     source = mapped_source(values)
     if source is None:
         return np.ascontiguousarray(transform(values))

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.graph_ops import finish_graph
-from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.model import DerivedValues, IRModel, derived_from
 from qnnpasses.ir.read import (  # noqa: F401 - the read helpers, re-exported for passes
     producer,
     producer_op,
@@ -138,6 +139,24 @@ def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value) -> gs.Const
     if not array.flags.c_contiguous:
         array = array.copy(order="C")
     return gs.Constant(ctx.unique_name(ir, prefix), array)
+
+
+def derived_constant(ir: IRModel, ctx: PassContext, prefix: str, tensor: gs.Tensor, transform, *,
+                     same_shape: bool = False) -> gs.Constant:
+    """A new constant ``transform(value of tensor)`` with a fresh name, computed when it is read
+    (a recipe) where ``tensor`` is a mapped weight or a recipe itself, else now.
+
+    A pass that rewrites every weight of a large model (folding, rotating, scaling) would
+    otherwise hold all of them in memory until the model is written; a recipe is computed
+    one tensor at a time as it is saved or run.  ``transform`` as in
+    :func:`~qnnpasses.ir.model.derived_from`; ``same_shape``: it keeps the value's shape and
+    dtype, so it need not run to learn them."""
+    lazy = isinstance(tensor, gs.Constant) and isinstance(tensor._values, DerivedValues)
+    values = tensor._values if lazy else constant_value(tensor)
+    dtype = None
+    if same_shape:
+        dtype = np.dtype(values.dtype) if not lazy else onnx.helper.tensor_dtype_to_np_dtype(values.tensor.data_type)
+    return gs.Constant(ctx.unique_name(ir, prefix), derived_from(values, transform, dtype=dtype))
 
 
 def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor], *, name_hint: str,
