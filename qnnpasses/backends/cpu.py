@@ -22,8 +22,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir.model import INLINE_LIMIT_BYTES, IRModel, save_model, to_model_bytes
+from qnnpasses.ir.model import IRModel, save_model, to_model_bytes
 from qnnpasses.ir.shapes import resolve_dim
+
+#: Weight bytes up to which a session is built from the model serialized in memory.  That holds
+#: the weights three times over (the protobuf, its bytes, onnxruntime's copy); a larger model is
+#: written to a temporary folder with its weights in a file, which onnxruntime maps instead.
+SESSION_INLINE_BYTES = 256 << 20
 
 # A lossless pass may move an output by at most ATOL + RTOL * max|reference| ...
 ATOL = 1e-4
@@ -319,15 +324,21 @@ def run_cpu_many(ir_or_path: IRModel | str | os.PathLike, inputs: list[dict[str,
                  *, keep_going: bool = False) -> list[dict[str, np.ndarray] | Exception]:
     """:func:`run_cpu` on several input sets with one session (one export, one session build).
 
-    With ``keep_going`` a set that fails yields its exception in place of its outputs.
+    With ``keep_going`` a set that fails yields its exception in place of its outputs.  A model
+    above :data:`SESSION_INLINE_BYTES` of weights runs with its weights mapped from a file, not
+    packed into private copies (``cpu_session(mapped=True)``).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4  # failures reach the user as one line, not as onnxruntime's log
+    large = (ir_or_path.weight_bytes() if isinstance(ir_or_path, IRModel) else _file_weight_bytes(ir_or_path)) \
+        > SESSION_INLINE_BYTES
+    if large:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if isinstance(ir_or_path, IRModel):
-        if ir_or_path.weight_bytes() <= INLINE_LIMIT_BYTES:
+        if not large:
             session = ort.InferenceSession(to_model_bytes(ir_or_path), options, providers=["CPUExecutionProvider"])
         else:
             with tempfile.TemporaryDirectory(prefix="qnnpasses-") as tmp:
@@ -337,6 +348,19 @@ def run_cpu_many(ir_or_path: IRModel | str | os.PathLike, inputs: list[dict[str,
     else:
         session = ort.InferenceSession(str(ir_or_path), options, providers=["CPUExecutionProvider"])
     return [_run_one(session, x, keep_going) for x in inputs]
+
+
+def _file_weight_bytes(path: str | os.PathLike) -> int:
+    """Bytes of a model file and of the external-data files its initializers name."""
+    import onnx
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size > SESSION_INLINE_BYTES:
+        return size
+    model = onnx.load(str(path), load_external_data=False)
+    files = {entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"}
+    return size + sum((path.parent / f).stat().st_size for f in files if (path.parent / f).is_file())
 
 
 def _run_one(session, inputs: dict[str, np.ndarray], keep_going: bool):

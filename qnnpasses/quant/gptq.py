@@ -245,6 +245,7 @@ class HessianProbe:
         # link to the file (onnx >= 1.23 refuses to read a weight file that has several)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(Path(model_path).resolve().parent))
+        options.add_session_config_entry("session.disable_prepacking", "1")  # mapped, not packed copies
         probe = model.SerializeToString()
         del model
         self.session = ort.InferenceSession(probe, options, providers=["CPUExecutionProvider"])
