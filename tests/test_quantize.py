@@ -340,3 +340,39 @@ def test_the_lm_head_of_a_static_cache_graph_is_the_logits_projection_not_the_v_
     (head,) = head_weights(ir.graph)
     logits = next(t for t in ir.graph.outputs if t.name == "logits")
     assert matmuls[head].outputs[0].shape[-1] == logits.shape[-1]
+
+
+def test_ranges_are_onnxruntimes_and_so_is_the_quantized_model(small, tmp_path, monkeypatch):
+    """qnnpasses.quant.ranges computes what onnxruntime's MinMax calibrator computes (every tensor, every
+    figure, bit for bit), and quantize_model handing them over as the calibration cache writes the
+    same QDQ model as letting onnxruntime calibrate."""
+    import os
+
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.quant import driver
+    from qnnpasses.quant.ranges import calibrate_ranges
+
+    tmp, calib_path, _ = small
+    path = save_model(_prepared(LLAMA), tmp_path / "prepared.onnx")
+    calib = CalibrationData(calib_path, model_inputs(load_model(path)))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        reference = create_calibrator(path, None, str(tmp_path / "augmented.onnx"), calibrate_method=CalibrationMethod.MinMax)
+        reference.collect_data(calib.reader())
+        expected = {name: (float(np.min(t.range_value[0])), float(np.max(t.range_value[1])))
+                    for name, t in reference.compute_data().items()}
+    finally:
+        os.chdir(cwd)
+    assert calibrate_ranges(path, calib) == expected and len(expected) > 50
+
+    ours = quantize_model(path, calib, tmp_path / "ours.onnx", MIXED)
+    monkeypatch.setattr(driver, "_ranges_cache", lambda *args: None)  # onnxruntime calibrates itself
+    theirs = quantize_model(path, calib, tmp_path / "theirs.onnx", MIXED)
+    a, b = onnx.load(str(ours.output)), onnx.load(str(theirs.output))
+    assert [n.op_type for n in a.graph.node] == [n.op_type for n in b.graph.node]
+    inits = {i.name: numpy_helper.to_array(i) for i in b.graph.initializer}
+    assert {i.name for i in a.graph.initializer} == set(inits)
+    assert all(np.array_equal(numpy_helper.to_array(i), inits[i.name]) for i in a.graph.initializer)

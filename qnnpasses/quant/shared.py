@@ -7,8 +7,8 @@ tensor has ONE encoding:
 1. each graph is prepared as :func:`~qnnpasses.quant.driver.quantize_model` prepares it
    (``htp-llm`` unless already run, the quantization-prep passes, the policy's outlier
    rewrites -- deterministic, so the same weights are rewritten the same way in each graph);
-2. each graph's activation ranges are calibrated on its own data (onnxruntime's MinMax
-   calibrator, streamed);
+2. each graph's activation ranges are calibrated on its own data (MinMax,
+   :mod:`qnnpasses.quant.ranges`: the weights mapped, one sample at a time);
 3. ranges are merged: a tensor name present in several graphs, and each ``ties`` pair
    (``{"present.0.key": "past_key_values.0.key"}``: the prefill output that becomes the
    decode input), gets the union of its ranges in every graph;
@@ -47,6 +47,7 @@ from qnnpasses.quant.driver import (
 )
 from qnnpasses.quant.gptq import GptqCache
 from qnnpasses.quant.policy import PrecisionPolicy
+from qnnpasses.quant.ranges import calibrate_ranges
 
 #: The outlier rewrites that keep a pre-norm LLM's residual stream small (see passes/outliers).
 ROTATE = "fold-norm-weights,rotate-residual"
@@ -71,27 +72,6 @@ class SharedResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {"graphs": {k: r.as_dict() for k, r in self.results.items()}, "shared_tensors": self.shared_tensors}
-
-
-def calibrate_ranges(model_path: str | Path, calib: CalibrationData) -> dict[str, tuple[float, float]]:
-    """Min/max of every float activation of a float model over ``calib`` (onnxruntime's MinMax)."""
-    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
-
-    from qnnpasses.quant.driver import quiet_quantizer
-
-    with tempfile.TemporaryDirectory(prefix="qnnpasses-calib-") as tmp:
-        cwd = os.getcwd()
-        os.chdir(tmp)
-        try:
-            with quiet_quantizer():
-                calibrator = create_calibrator(Path(model_path).resolve(), None, str(Path(tmp) / "augmented.onnx"),
-                                               calibrate_method=CalibrationMethod.MinMax,
-                                               use_external_data_format=True)
-                calibrator.collect_data(calib.reader())
-                data = calibrator.compute_data()
-        finally:
-            os.chdir(cwd)
-    return {name: (float(np.min(t.range_value[0])), float(np.max(t.range_value[1]))) for name, t in data.items()}
 
 
 def merge_ranges(per_graph: Mapping[str, dict[str, tuple[float, float]]],
