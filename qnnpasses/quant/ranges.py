@@ -8,9 +8,12 @@ each sample, the least and the greatest over the samples), in bounded memory:
   bytes that point at the original weight file, mapped, never packed into private copies
   (onnxruntime's calibrator loads the model with every weight, writes it out again and builds
   a session that copies them once more);
-* activations are given back as soon as their last reader ran (no memory arena): at context
-  4096 one prefill call's attention scores are tens of megabytes per layer, and the arena kept
-  each size class it ever held (14.7 GB for one call of a 0.5 B model's prefill graph).
+* activations are given back as soon as their reductions ran: the reductions follow their
+  tensors in the node order, which onnxruntime then keeps (its priority-based order; its
+  default runs the whole model before the first reduction, so every activation lives to the
+  end of the call), and no memory arena keeps the freed blocks.  One prefill call of a 0.5 B
+  model at context 4096 held 14.7 GB in onnxruntime's calibrator (40 chained 16 MiB
+  activations: 1.5 GB in the default order, 0.27 GB in this one).
 
 :func:`tensors_data` hands the ranges to onnxruntime's quantizer as its own ``TensorsData``, so
 ``quantize_static`` does not calibrate again.
@@ -90,6 +93,9 @@ def calibrate_ranges(model_path: str | Path, calib: CalibrationData,
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.enable_cpu_mem_arena = False
+    # in the default order onnxruntime runs every node of the model before the first reduction (a
+    # depth-first walk from the outputs, the model's own first), so every activation lives to the end
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     options.log_severity_level = 3
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
