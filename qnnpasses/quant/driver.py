@@ -18,7 +18,9 @@ Steps (``qnnpasses quantize``):
    other operands are constants (the mask ``Where(cond, 0, -M)``) quantize them too: the
    HTP has no float ``Select`` in integer mode ("could not create op: q::Select").
    Then :func:`~qnnpasses.quant.weights.refine_weights` rewrites the weight encodings when
-   the policy asks (MSE scales, int4 blocks, GPTQ rounding on the calibration data).
+   the policy asks (MSE scales, int4 blocks, GPTQ rounding on the calibration data), and with
+   16-bit activations each MatMul of two activations gets its second operand in two 8-bit
+   parts (:mod:`qnnpasses.quant.split_operand`: the HTP reads it at 8 bits).
 4. **Record.**  ``qnnpasses.quantization`` in the output's metadata (the policy as JSON),
    and the plan as converter overrides (:mod:`qnnpasses.quant.overrides`) when asked.
 """
@@ -78,11 +80,13 @@ class QuantizeResult:
     seconds: float
     calibration_samples: int
     weights: dict[str, Any] = field(default_factory=dict)  # refine_weights' report (mse / blocks)
+    act_matmuls: dict[str, Any] = field(default_factory=dict)  # qnnpasses.quant.split_operand's count
 
     def as_dict(self) -> dict[str, Any]:
         return {"output": str(self.output), "policy": asdict(self.policy), "plan": self.plan.summary(),
                 "pipeline": self.prep.pipeline, "prep_passes": self.prep.records, "seconds": round(self.seconds, 2),
-                "calibration_samples": self.calibration_samples, "weights": self.weights}
+                "calibration_samples": self.calibration_samples, "weights": self.weights,
+                "act_matmuls": self.act_matmuls}
 
 
 def resolve_pipeline(pipeline: str) -> Pipeline:
@@ -208,8 +212,13 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
                                   cache=gptq_cache)
             refined = refine_weights(out, prepared, mse=policy.weight_scales == "mse",
                                      block_size=policy.block_size, gptq=gptq).as_dict()
+    split = {"split": 0}
+    if policy.split_act_matmul and policy.act == "uint16":
+        from qnnpasses.quant.split_operand import split_second_operands
+
+        split = split_second_operands(out)
     _stamp(out, prep, policy)
-    return QuantizeResult(out, policy, plan, prep, time.monotonic() - start, len(calib), refined)
+    return QuantizeResult(out, policy, plan, prep, time.monotonic() - start, len(calib), refined, split)
 
 
 def _ranges_cache(prepared: Path, calib: CalibrationData, ranges: dict[str, tuple[float, float]] | None,

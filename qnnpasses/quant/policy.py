@@ -95,6 +95,10 @@ class PrecisionPolicy:
     #: Weight width of the lm_head (the MatMul/Gemm producing the logits): 8 or 16.  Top-1 agreement
     #: reads its output directly; 16 bits cost 2 bytes per weight of one layer.
     head_bits: int = 8
+    #: With 16-bit activations, a MatMul of two activations (attention's Q·Kᵀ, P·V) computes its second
+    #: operand as an 8-bit coarse part plus an 8-bit remainder: the HTP reads it at 8 bits otherwise
+    #: (:mod:`qnnpasses.quant.split_operand`).
+    split_act_matmul: bool = True
 
     def __post_init__(self) -> None:
         if self.act not in ("uint8", "uint16"):
