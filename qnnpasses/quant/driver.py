@@ -10,8 +10,8 @@ Steps (``qnnpasses quantize``):
    symmetric weights, the KV cache width.
 3. **Quantize.**  onnxruntime's QNN recipe (``get_qnn_qdq_config`` + ``quantize_static``) with the
    plan as its tensor overrides.  MinMax ranges come from :mod:`qnnpasses.quant.ranges` (the
-   same figures as onnxruntime's calibrator, with the weights mapped and no memory arena: its
-   own calibrator held 14.7 GB for one prefill call of a 0.5 B model at context 4096), handed
+   same figures as onnxruntime's calibrator, with the weights mapped and each activation freed
+   after its reduction; its own holds every activation of a call and a copy of the weights), handed
    to ``quantize_static`` as its calibration cache so that it does not calibrate again;
    percentile and entropy use onnxruntime's calibrators, fed by a streaming reader (one
    sample in memory at a time).  ``ForceQuantizeNoInputCheck`` makes ops whose
@@ -225,7 +225,6 @@ def _ranges_cache(prepared: Path, calib: CalibrationData, ranges: dict[str, tupl
                   path: Path) -> Path:
     """The MinMax ranges of ``prepared``'s activations as onnxruntime's calibration cache at ``path``:
     ``ranges`` where given (a pair's merged ranges cover its graphs), the rest calibrated here."""
-    import onnx
     from onnxruntime.quantization.calibrate import save_tensors_data
 
     from qnnpasses.progress import step

@@ -11,9 +11,9 @@ each sample, the least and the greatest over the samples), in bounded memory:
 * activations are given back as soon as their reductions ran: the reductions follow their
   tensors in the node order, which onnxruntime then keeps (its priority-based order; its
   default runs the whole model before the first reduction, so every activation lives to the
-  end of the call), and no memory arena keeps the freed blocks.  One prefill call of a 0.5 B
-  model at context 4096 held 14.7 GB in onnxruntime's calibrator (40 chained 16 MiB
-  activations: 1.5 GB in the default order, 0.27 GB in this one).
+  end of the call), and no memory arena keeps the freed blocks.  At context 4096 one prefill
+  call's attention scores are tens of megabytes per layer; what the build holds is in
+  docs/bench_sizes.md.
 
 :func:`tensors_data` hands the ranges to onnxruntime's quantizer as its own ``TensorsData``, so
 ``quantize_static`` does not calibrate again.

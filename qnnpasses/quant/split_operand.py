@@ -1,12 +1,11 @@
 """The HTP reads the second operand of a MatMul of two 16-bit activations at 8 bits: split it in two.
 
-Measured on the simulated HTP (onnxruntime-qnn 2.7.0, integer mode): ``MatMul(A, B)`` with ``A``
-and ``B`` both 16-bit activations comes out as far from fp32 as the same MatMul with ``B``
-quantized to 8 bits on the CPU (relative RMS error 1.05e-2 on normal data, against 6e-5 for
-the QDQ graph on the CPU), while a 16-bit activation times an 8-bit operand is computed as the
-graph says.  In an LLM those are the attention's ``Q·Kᵀ`` and ``P·V``: on trained Gemma 3's w8a16
-prefill graph they are where the HTP's outputs first leave the CPU's, and emulating 8-bit
-second operands on the CPU alone takes its teacher-forced top-1 from 96.6% to 90.9%.
+On the simulated HTP in integer mode, ``MatMul(A, B)`` with ``A`` and ``B`` both 16-bit activations
+comes out as far from fp32 as the same MatMul with ``B`` quantized to 8 bits on the CPU, while a
+16-bit activation times an 8-bit operand is computed as the graph says (``python
+tools/probe_act_matmul.py``, docs/act_matmul.md).  In an LLM those MatMuls are the attention's
+``Q·Kᵀ`` and ``P·V``: on trained Gemma 3's w8a16 prefill graph they are where the HTP's outputs
+first leave the CPU's.
 
 Matches, in a QDQ model: ``MatMul(DQ(a), DQ(b))`` where both are activations (not weights), ``b``
 is uint16 per tensor (scale ``s``, zero point ``z``), and the output goes to one QuantizeLinear.
@@ -18,7 +17,7 @@ Produces, with ``s8 = 257·s`` (the same range in 255 steps) and ``z8 = round(z 
 
 Why safe: ``b1 + r`` is ``b`` to within one step of ``r`` (about two 16-bit steps of ``b``), and
 each MatMul has an 8-bit second operand, which the HTP computes as the graph says (the split
-pair measured 6.3e-4 against fp32 on the HTP, 17x closer than the plain MatMul).  The
+pair's error on the HTP is in docs/act_matmul.md).  The
 remainder's product ``a·r`` is a correction: ``r`` is rounding noise of at most ``s8/2``
 (standard deviation ``s8/(2√3)``), so ``|a·r|`` stays within six deviations,
 ``√3·s8·√K·max|a|`` over a contraction of ``K`` (``max|a|`` from ``a``'s encoding); its uint16
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
 
 @dataclass
 class _Match:
