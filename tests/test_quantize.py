@@ -376,3 +376,19 @@ def test_ranges_are_onnxruntimes_and_so_is_the_quantized_model(small, tmp_path, 
     inits = {i.name: numpy_helper.to_array(i) for i in b.graph.initializer}
     assert {i.name for i in a.graph.initializer} == set(inits)
     assert all(np.array_equal(numpy_helper.to_array(i), inits[i.name]) for i in a.graph.initializer)
+
+
+def test_overrides_name_only_the_prepared_models_tensors_when_the_qdq_model_is_split(small, tmp_path, capsys):
+    """The QDQ output splits the attention's MatMuls of two activations; the converter overrides written
+    beside it name only tensors of the prepared float model the converter reads."""
+    _, calib, _ = small
+    out = tmp_path / "split.qdq.onnx"
+    assert cli(["quantize", str(fixture_path(LLAMA)), "--calib", str(calib), "-o", str(out),
+                "--overrides", str(tmp_path / "ov.json"), "--report", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    layers = sum(n.op_type == "Softmax" for n in onnx.load(str(fixture_path(LLAMA))).graph.node)
+    assert report["act_matmuls"]["split"] == 2 * layers  # Q·Kᵀ and P·V in every layer
+    prepared = onnx.load(str(tmp_path / "split.qdq.prepared.onnx"), load_external_data=False)
+    names = {t for n in prepared.graph.node for t in [*n.input, *n.output]} | {i.name for i in prepared.graph.initializer}
+    doc = json.loads((tmp_path / "ov.v2.json").read_text())
+    assert doc["encodings"] and all(e["name"] in names for e in doc["encodings"])

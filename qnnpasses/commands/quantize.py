@@ -165,8 +165,8 @@ def main(args) -> int:
         from qnnpasses.quant.overrides import write_overrides
 
         path = write_overrides(out, args.overrides, version=args.overrides_version,
-                               quantizer_args=policy.quantizer_args())
-        v2 = write_overrides(out, Path(args.overrides).with_suffix(".v2.json"), version="2.0.0")
+                               quantizer_args=policy.quantizer_args(), for_model=prepared)
+        v2 = write_overrides(out, Path(args.overrides).with_suffix(".v2.json"), version="2.0.0", for_model=prepared)
         report["overrides"] = {"file": str(path), "v2": str(v2), "prepared_model": str(prepared)}
         print(f"overrides: {path} and {v2.name} (AIMET 2.0.0), for {prepared}")
     if result.weights:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,9 @@ def _plan(model: str | Path, calib: str | Path, out: Path, policy) -> dict[str, 
     from qnnpasses.quant.overrides import write_overrides
     from qnnpasses.quant.shared import precision_policy
 
-    policy = policy or precision_policy("w8a16")
+    # the overrides name the packaged float model's tensors: no QDQ-only rewrite of the attention's
+    # MatMuls (qnnpasses.quant.split_operand), whose new tensors the float model does not have
+    policy = replace(policy or precision_policy("w8a16"), split_act_matmul=False)
     with tempfile.TemporaryDirectory(prefix="qnnpasses-plan-") as tmp:
         qdq = Path(tmp) / "model.qdq.onnx"
         result = quantize_model(model, calib, qdq, policy, keep_prepared=out / "model.onnx")

@@ -228,10 +228,18 @@ def build_overrides(encodings: list[Encoding], version: str = "1.0.0",
 
 
 def write_overrides(qdq_model: str | Path, path: str | Path, *, version: str = "1.0.0",
-                    quantizer_args: dict[str, Any] | None = None) -> Path:
+                    quantizer_args: dict[str, Any] | None = None, for_model: str | Path | None = None) -> Path:
+    """The encodings of ``qdq_model`` as converter overrides at ``path``; with ``for_model`` only those
+    of tensors that model has (a QDQ-only rewrite, :mod:`qnnpasses.quant.split_operand`, adds tensors
+    the float model the converter reads does not have)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = build_overrides(encodings_from_qdq(qdq_model), version, quantizer_args)
+    encodings = encodings_from_qdq(qdq_model)
+    if for_model is not None:
+        model = onnx.load(str(for_model), load_external_data=False)
+        names = {t for n in model.graph.node for t in [*n.input, *n.output]} | {i.name for i in model.graph.initializer}
+        encodings = [e for e in encodings if e.name in names]
+    doc = build_overrides(encodings, version, quantizer_args)
     out.write_text(json.dumps(doc, indent=1))
     return out
 
