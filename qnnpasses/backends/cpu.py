@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -328,6 +329,13 @@ def run_cpu_many(ir_or_path: IRModel | str | os.PathLike, inputs: list[dict[str,
     above :data:`SESSION_INLINE_BYTES` of weights runs with its weights mapped from a file, not
     packed into private copies (``cpu_session(mapped=True)``).
     """
+    return list(run_cpu_each(ir_or_path, inputs, keep_going=keep_going))
+
+
+def run_cpu_each(ir_or_path: IRModel | str | os.PathLike, inputs: Iterable[dict[str, np.ndarray]],
+                 *, keep_going: bool = False) -> Iterator[dict[str, np.ndarray] | Exception]:
+    """:func:`run_cpu_many`, one input set's outputs at a time: a caller that reduces each as it comes
+    (a probe of every layer's attention scores) never holds all of them."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -344,10 +352,13 @@ def run_cpu_many(ir_or_path: IRModel | str | os.PathLike, inputs: list[dict[str,
             with tempfile.TemporaryDirectory(prefix="qnnpasses-") as tmp:
                 path = save_model(ir_or_path, Path(tmp) / "model.onnx", external_data=True)
                 session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                return [_run_one(session, x, keep_going) for x in inputs]
+                for x in inputs:
+                    yield _run_one(session, x, keep_going)
+                return
     else:
         session = ort.InferenceSession(str(ir_or_path), options, providers=["CPUExecutionProvider"])
-    return [_run_one(session, x, keep_going) for x in inputs]
+    for x in inputs:
+        yield _run_one(session, x, keep_going)
 
 
 def _file_weight_bytes(path: str | os.PathLike) -> int:

@@ -28,13 +28,13 @@ def calibration_samples(ctx: PassContext, limit: int) -> list[dict[str, np.ndarr
 def intermediate_values(ir: IRModel, names: Iterable[str],
                         samples: list[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
     """Per sample, the values of the named tensors that exist and have a known dtype."""
-    from qnnpasses.backends.cpu import run_cpu_many
+    from qnnpasses.backends.cpu import run_cpu_each
 
     probe = ir.copy()
     tensors = probe.graph.tensors()
     wanted = [tensors[n] for n in dict.fromkeys(names) if n in tensors and tensors[n].dtype is not None]
     probe.graph.outputs = list(probe.graph.outputs) + [t for t in wanted if t not in probe.graph.outputs]
     # one session for all samples: building one per sample re-serialized the whole model each time
-    # (seconds per sample for a 135M-parameter LLM)
-    for outputs in run_cpu_many(probe, list(samples)):
+    # (seconds per sample for a 135M-parameter LLM); each sample's values handed over as they come
+    for outputs in run_cpu_each(probe, list(samples)):
         yield {t.name: outputs[t.name] for t in wanted}
