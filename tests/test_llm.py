@@ -399,9 +399,9 @@ def test_graphs_larger_than_the_default_part_budget_are_split_without_being_aske
     """Without --parts / --max-part-bytes a graph is split where it holds more than
     DEFAULT_PART_BYTES on the HTP (weights at 2 bytes per float in an fp16 pair)."""
     from qnnpasses.llm import convert
-    from qnnpasses.llm.footprint import weight_bytes
+    from qnnpasses.ir.model import file_weight_bytes
 
-    held = weight_bytes(fixture_path("llama_gqa_kv_dyn_ts"), float_bytes=2)
+    held = file_weight_bytes(fixture_path("llama_gqa_kv_dyn_ts"), float_bytes=2)
     monkeypatch.setattr(convert, "DEFAULT_PART_BYTES", held // 2)
     manifest = convert.build(fixture_path("llama_gqa_kv_dyn_ts"), tmp_path / "pair", context=64, prefill=16,
                              compile=False, probe=False)
@@ -409,6 +409,6 @@ def test_graphs_larger_than_the_default_part_budget_are_split_without_being_aske
     assert report["split"] == {"parts": None, "max_part_bytes": held // 2, "default": True}
     for graph in manifest["graphs"].values():
         assert len(graph["parts"]) >= 2
-        htp_bytes = [weight_bytes(tmp_path / "pair" / p["onnx"], float_bytes=2) for p in graph["parts"]]
+        htp_bytes = [file_weight_bytes(tmp_path / "pair" / p["onnx"], float_bytes=2) for p in graph["parts"]]
         assert max(htp_bytes) <= held // 2
     assert report["parts_verification"]["ok"]

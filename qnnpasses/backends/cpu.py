@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.errors import BadInputError
-from qnnpasses.ir.model import IRModel, save_model, to_model_bytes
+from qnnpasses.ir.model import IRModel, file_weight_bytes, save_model, to_model_bytes
 from qnnpasses.ir.shapes import resolve_dim
 
 #: Weight bytes up to which a session is built from the model serialized in memory.  That holds
@@ -341,7 +341,7 @@ def run_cpu_each(ir_or_path: IRModel | str | os.PathLike, inputs: Iterable[dict[
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4  # failures reach the user as one line, not as onnxruntime's log
-    large = (ir_or_path.weight_bytes() if isinstance(ir_or_path, IRModel) else _file_weight_bytes(ir_or_path)) \
+    large = (ir_or_path.weight_bytes() if isinstance(ir_or_path, IRModel) else file_weight_bytes(ir_or_path)) \
         > SESSION_INLINE_BYTES
     if large:
         options.add_session_config_entry("session.disable_prepacking", "1")
@@ -359,19 +359,6 @@ def run_cpu_each(ir_or_path: IRModel | str | os.PathLike, inputs: Iterable[dict[
         session = ort.InferenceSession(str(ir_or_path), options, providers=["CPUExecutionProvider"])
     for x in inputs:
         yield _run_one(session, x, keep_going)
-
-
-def _file_weight_bytes(path: str | os.PathLike) -> int:
-    """Bytes of a model file and of the external-data files its initializers name."""
-    import onnx
-
-    path = Path(path)
-    size = path.stat().st_size
-    if size > SESSION_INLINE_BYTES:
-        return size
-    model = onnx.load(str(path), load_external_data=False)
-    files = {entry.value for t in model.graph.initializer for entry in t.external_data if entry.key == "location"}
-    return size + sum((path.parent / f).stat().st_size for f in files if (path.parent / f).is_file())
 
 
 def _run_one(session, inputs: dict[str, np.ndarray], keep_going: bool):

@@ -117,8 +117,7 @@ def derived_from(values: np.ndarray | DerivedValues, transform, *, dtype=None) -
     whose output keeps the input's shape (a widening ``astype``, ``W·R`` with a square ``R``);
     then the shape is known without running it, else it is learnt on a zero-strided stand-in."""
     if isinstance(values, DerivedValues):
-        shape = tuple(values.tensor.dims)
-        in_dtype = onnx.helper.tensor_dtype_to_np_dtype(values.tensor.data_type)
+        shape, in_dtype = tuple(values.shape), np.dtype(values.dtype)
         ghost = np.lib.stride_tricks.as_strided(np.zeros(1, in_dtype), shape=shape, strides=(0,) * len(shape))
         out_shape = shape if dtype is not None else np.shape(transform(ghost))
         return DerivedValues(out_shape, dtype or in_dtype, lambda: np.ascontiguousarray(transform(values.load())))
@@ -702,6 +701,28 @@ def save_model(ir: IRModel, path: str | os.PathLike, *, external_data: bool | No
                 tmp.unlink()
         raise
     return out
+
+
+#: Bits of an ONNX tensor element type whose numpy itemsize is not its storage (packed 4-bit types).
+_PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4}
+
+
+def file_weight_bytes(path: str | Path, *, float_bytes: int | None = None) -> int:
+    """Bytes of the initializers of ``path`` (external data is not read); with ``float_bytes``,
+    floating-point initializers count at that size per element."""
+    import onnx
+
+    total = 0.0
+    for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
+        count = int(np.prod(tensor.dims)) if tensor.dims else 1
+        name = onnx.TensorProto.DataType.Name(tensor.data_type)
+        if name in _PACKED_BITS:
+            total += count * _PACKED_BITS[name] / 8
+            continue
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        size = float_bytes if float_bytes and dtype.kind == "f" else dtype.itemsize
+        total += count * size
+    return int(total)
 
 
 def remove_model(path: str | os.PathLike) -> None:

@@ -351,9 +351,9 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
             raise BadInputError(f"the KV cache's {what} is not a static dimension")
     _require_precision(options.precision)
     if options.bundle == "genie":  # the export's weights in fp16 tell now what the graphs will hold
-        from qnnpasses.llm.footprint import weight_bytes
+        from qnnpasses.ir.model import file_weight_bytes
 
-        held = weight_bytes(model, float_bytes=2)
+        held = file_weight_bytes(model, float_bytes=2)
         if held > DEFAULT_PART_BYTES:
             _refuse_genie_parts(held)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -609,11 +609,11 @@ def _part_budgets(stage: Path, manifest: dict[str, Any], options: LlmOptions) ->
     the dtype the HTP holds them in (fp16 pairs: 2 bytes per float) plus peak live activations --
     and is scaled here by each graph's stored / HTP weight bytes.  Without ``--parts`` or
     ``--max-part-bytes`` the graphs are split only where one holds more than the default."""
-    from qnnpasses.llm.footprint import weight_bytes
+    from qnnpasses.ir.model import file_weight_bytes
 
     fp16 = options.precision == "fp16"
     paths = {name: stage / graph["parts"][0]["onnx"] for name, graph in manifest["graphs"].items()}
-    sizes = {name: (weight_bytes(p), weight_bytes(p, float_bytes=2 if fp16 else None)) for name, p in paths.items()}
+    sizes = {name: (file_weight_bytes(p), file_weight_bytes(p, float_bytes=2 if fp16 else None)) for name, p in paths.items()}
     if options.parts is not None:
         return {name: None for name in paths}
     budget = options.max_part_bytes or DEFAULT_PART_BYTES

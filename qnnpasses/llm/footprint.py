@@ -24,27 +24,7 @@ from typing import Any
 
 import numpy as np
 
-#: Bits of an ONNX tensor element type whose numpy itemsize is not its storage (packed 4-bit types).
-_PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4}
-
-
-def weight_bytes(path: str | Path, *, float_bytes: int | None = None) -> int:
-    """Bytes of the initializers of ``path`` (external data is not read); with ``float_bytes``,
-    floating-point initializers count at that size per element."""
-    import onnx
-
-    total = 0.0
-    for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
-        count = int(np.prod(tensor.dims)) if tensor.dims else 1
-        name = onnx.TensorProto.DataType.Name(tensor.data_type)
-        if name in _PACKED_BITS:
-            total += count * _PACKED_BITS[name] / 8
-            continue
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
-        size = float_bytes if float_bytes and dtype.kind == "f" else dtype.itemsize
-        total += count * size
-    return int(total)
-
+from qnnpasses.ir.model import file_weight_bytes
 
 def _compiled_bytes(folder: Path, parts: list[dict[str, Any]]) -> int | None:
     """The compiled files of a graph (EPContext models and their context binaries), if written."""
@@ -64,7 +44,7 @@ def footprint(folder: str | Path, manifest: dict[str, Any], target: Any) -> dict
     fp16 = manifest.get("precision", "fp16") == "fp16"
     graphs, held = {}, {}
     for name, graph in manifest["graphs"].items():
-        weights = sum(weight_bytes(folder / p["onnx"], float_bytes=2 if fp16 else None) for p in graph["parts"])
+        weights = sum(file_weight_bytes(folder / p["onnx"], float_bytes=2 if fp16 else None) for p in graph["parts"])
         compiled = _compiled_bytes(folder, graph["parts"])
         graphs[name] = {"weight_bytes": weights, "compiled_bytes": compiled}
         held[name] = compiled if compiled is not None else weights

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.graph_ops import finish_graph
@@ -153,9 +152,7 @@ def derived_constant(ir: IRModel, ctx: PassContext, prefix: str, tensor: gs.Tens
     dtype, so it need not run to learn them."""
     lazy = isinstance(tensor, gs.Constant) and isinstance(tensor._values, DerivedValues)
     values = tensor._values if lazy else constant_value(tensor)
-    dtype = None
-    if same_shape:
-        dtype = np.dtype(values.dtype) if not lazy else onnx.helper.tensor_dtype_to_np_dtype(values.tensor.data_type)
+    dtype = np.dtype(values.dtype) if same_shape else None  # a recipe knows its dtype as an array does
     return gs.Constant(ctx.unique_name(ir, prefix), derived_from(values, transform, dtype=dtype))
 
 
