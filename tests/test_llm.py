@@ -250,6 +250,8 @@ def test_parts_chain_to_the_same_logits(built):
     (["llama_gqa_kv_dyn_dynamo", "--context", "256", "--prefill", "16"], "fixes the new-token count at 1"),
     (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--max-part-bytes", "lots"],
      "--max-part-bytes expects a size"),
+    # learned positions: GPT-2's wpe has 64 rows here, position 64 does not exist
+    (["gpt2_kv_dyn_ts", "--context", "65", "--prefill", "8"], "a table of 64 rows ('model.transformer.wpe.weight')"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     from qnnpasses.cli import main

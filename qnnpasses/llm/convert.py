@@ -186,6 +186,21 @@ def _check_tokens(ir: IRModel, roles: Roles, tokens: int, what: str) -> None:
                             f"(export with a dynamic sequence axis, or use --prefill {fixed})")
 
 
+def _check_positions(ir: IRModel, context: int) -> None:
+    """Refuse a context whose last position (``context - 1``) is beyond a table the export reads
+    positions from: learned absolute positions (GPT-2's ``wpe``) or a precomputed rotary cos/sin
+    cache (``GroupQueryAttention``'s, once lowered).  Gathering past its last row is an error on
+    onnxruntime CPU and reads whatever follows the table on the HTP."""
+    from qnnpasses.ir.kv_roles import rotary_gathers
+
+    tables = {id(g.inputs[0]): g.inputs[0] for g in rotary_gathers(ir.graph)}
+    short = min(tables.values(), key=lambda t: int(t.shape[0]), default=None)
+    if short is not None and int(short.shape[0]) < context:
+        rows = int(short.shape[0])
+        raise BadInputError(f"--context {context}: the export reads positions from a table of {rows} rows "
+                            f"('{short.name}'), so positions past {rows - 1} do not exist; use --context {rows} or less")
+
+
 def _check_computes(model: Path, tokens: int) -> None:
     """Refuse an export that cannot compute ``tokens`` new tokens at once, or one at a time, on
     onnxruntime CPU (an exporter that baked the length it traced into the graph)."""
@@ -343,6 +358,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     if left:  # e.g. MatMulNBits with accuracy_level=4: its lowering is lossy (htp-llm runs it only with --allow-lossy)
         raise BadInputError(f"the export keeps onnxruntime contrib ops that are not lowered losslessly: {', '.join(left)} "
                             "(htp-llm lowers them only with --allow-lossy, which qnnpasses llm does not take)")
+    _check_positions(source, context)
     _check_tokens(source, roles, prefill, f"--prefill {prefill}")
     _check_tokens(source, roles, 1, "the decode graph")
     _check_computes(model, prefill)
