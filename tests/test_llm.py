@@ -91,8 +91,9 @@ def test_cache_is_outside_the_graph_and_outputs_are_new_kv_only(name, built):
         past = set(roles["past_key"] + roles["past_value"])
         assert not [n.name for n in proto.graph.node if n.op_type == "Concat" and past & set(n.input)]
         outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in proto.graph.output}
-        assert set(outputs) == {roles["logits"], roles["logits_offset"], *roles["new_key"], *roles["new_value"]}
-        assert outputs[roles["logits_offset"]] == [1, graph["tokens"], 1]
+        assert roles["logits_offset"] is None  # plain logits by default (--logits-offset adds the offset)
+        assert set(outputs) == {roles["logits"], *roles["new_key"], *roles["new_value"]}
+        assert outputs[roles["logits"]] == [1, graph["tokens"], manifest["vocab"]]
         for new in roles["new_key"] + roles["new_value"]:
             assert outputs[new] == [1, heads, graph["tokens"], dim]
         for name_ in past:
@@ -146,8 +147,8 @@ def test_graphs_run_on_the_htp_as_one_partition(name, graph_name, built, tmp_pat
 
 def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
     """fp16 pairs get FP16_PIPELINE after htp-llm (scale-residual first): no Softmax or Sigmoid left, each spelled out
-    (one floored Exp per layer's attention, one Tanh per layer's SiLU), then logits-offset on the
-    logits (two lm_head MatMuls, the offset output named by the manifest); the spec records it."""
+    (one floored Exp per layer's attention, one Tanh per layer's SiLU), then tied-embedding; the
+    spec records it.  No logits-offset unless asked for (one lm_head MatMul, no offset output)."""
     from collections import Counter
 
     from qnnpasses.llm.convert import FP16_PIPELINE, LOGITS_OFFSET, fp16_passes
@@ -162,11 +163,9 @@ def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
         # the decode graph takes the prefill graph's residual shift (0: this stream needs none)
         shift = None if graph_name == "prefill" else 0
         pipeline = FP16_PIPELINE.replace("scale-residual", "scale-residual{shift=0}") if shift == 0 else FP16_PIPELINE
-        assert spec.endswith(f",{pipeline},{LOGITS_OFFSET}{{output=logits}},tied-embedding")
+        assert spec.endswith(f",{pipeline},tied-embedding") and LOGITS_OFFSET not in spec
         assert spec.endswith("," + fp16_passes("logits", residual_shift=shift).to_text())
-        roles = manifest["graphs"][graph_name]["roles"]
-        assert roles["logits_offset"] == "logits_offset"
-        assert [o.name for o in proto.graph.output].count("logits_offset") == 1
+        assert manifest["graphs"][graph_name]["roles"]["logits_offset"] is None
 
 
 @requires_htp
@@ -303,20 +302,25 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
             assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), part
 
 
-def test_plain_logits_pair_has_no_offset_and_the_same_absolute_logits(built):
-    """``--plain-logits``: one lm_head MatMul, no offset output; the default pair's logits plus
-    its offset are the plain pair's logits (CPU, float32 rounding) and every row's largest
-    shifted logit is 0."""
+def test_logits_offset_pair_gives_the_plain_pair_s_logits_plus_its_offset(built):
+    """``--logits-offset``: the offset output named by the manifest, the spec records the pass; its
+    logits plus its offset are the plain (default) pair's logits (CPU, float32 rounding) and
+    every row's largest shifted logit is 0."""
+    from qnnpasses.llm.convert import LOGITS_OFFSET, fp16_passes
     from qnnpasses.llm.manifest import absolute_logits
 
-    offset = built("llama_gqa_kv_dyn_ts")
-    plain = built("llama_gqa_kv_dyn_ts", logits_offset=False, compile=False, probe=False)
+    offset = built("llama_gqa_kv_dyn_ts", logits_offset=True, compile=False, probe=False)
+    plain = built("llama_gqa_kv_dyn_ts")
     rng = np.random.default_rng(5)
     for graph_name in ("prefill", "decode"):
         graph, plain_graph = offset["graphs"][graph_name], plain["graphs"][graph_name]
-        assert plain_graph["roles"]["logits_offset"] is None
-        proto = onnx.load(str(part_paths(plain, graph_name, compiled=False)[0]))
-        assert [o.name for o in proto.graph.output].count("logits_offset") == 0
+        assert graph["roles"]["logits_offset"] == "logits_offset"
+        proto = onnx.load(str(part_paths(offset, graph_name, compiled=False)[0]))
+        assert [o.name for o in proto.graph.output].count("logits_offset") == 1
+        spec = {p.key: p.value for p in proto.metadata_props}["qnnpasses.passmanager.spec"]
+        assert f",{LOGITS_OFFSET}{{output=logits}},tied-embedding" in spec
+        shift = None if graph_name == "prefill" else 0
+        assert spec.endswith("," + fp16_passes("logits", True, residual_shift=shift).to_text())
         cache = {n: rng.standard_normal((1, offset["kv_heads"], CONTEXT, offset["head_dim"])).astype(np.float32)
                  for n in graph["roles"]["past_key"] + graph["roles"]["past_value"]}
         feed = static_feed(graph, list(range(5, 5 + graph["tokens"])), 7, cache)

@@ -30,13 +30,13 @@ accumulation puts the logits that decide the next token near 0, where fp16 resol
 ``tests/test_pass_logits_offset.py`` measures it on the HTP in fp16: the logits within 4 of their
 row's maximum come out well over 10x closer to fp32.
 
-Cost: a second lm_head MatMul (and ReduceMax, Neg, Concat, Reshape) per call, and the lm_head's
-weight stored twice (``W`` and ``W'``).  One ``W'`` for both MatMuls (``Concat(x, 0)`` for the
-first) would store it once, but the simulated HTP handles two MatMuls that share a weight with a
-reduction between them badly (one-off probes of an lm_head alone, fp16 mode: several times
-slower to prepare and to run than with two weights, which stay in proportion to the plain lm_head).  ``qnnpasses llm`` applies the pass to fp16 pairs
-only (a quantized pair's logits have 16-bit steps set by calibration instead); ``--plain-logits``
-turns it off.
+Cost: a second lm_head MatMul (and ReduceMax, Neg, Concat, Reshape) per call, so the lm_head's
+weight is read twice per call, and that weight stored twice (``W`` and ``W'``).  One ``W'`` for
+both MatMuls (``Concat(x, 0)`` for the first) stores it once but still reads it twice, and the
+simulated HTP prepares or runs that form far slower (``python tools/probe_lm_head.py``,
+``docs/lm_head_forms.md``).  On a phone a decode step's time is the bytes it reads, so
+``qnnpasses llm`` leaves the logits plain unless asked (``--logits-offset``, fp16 pairs only: a
+quantized pair's logits have 16-bit steps set by calibration instead).
 """
 
 from __future__ import annotations

@@ -43,9 +43,11 @@ def register(subparsers) -> None:
                             "peak activations; e.g. 1G). Default: 2G, splitting only the graphs larger than that "
                             "(the HTP's 4 GiB address space holds a context and its buffers)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
-    p.add_argument("--plain-logits", dest="logits_offset", action="store_false",
-                   help="fp16: output the logits as they are, not relative to their row's maximum with a "
-                        "logits_offset output (saves the second lm_head MatMul, loses the top logits' resolution)")
+    p.add_argument("--logits-offset", dest="logits_offset", action="store_true",
+                   help="fp16: output the logits relative to their row's maximum, subtracted inside the lm_head's "
+                        "accumulation, with a logits_offset output (the top logits at fp16's fine resolution; costs "
+                        "a second lm_head MatMul and its weight, read on every call)")
+    add_deprecated(p, "--plain-logits", "logits_offset", "no option: plain logits are the default", value=False)
     p.add_argument("--roles", metavar="ROLE=NAME,...",
                    help="name the export's inputs/outputs where the graph leaves them ambiguous "
                         "(roles: input_ids, attention_mask, position_ids, logits)")

@@ -14,11 +14,12 @@ original export:
 2. the ``htp-llm`` pipeline, then for fp16 pairs :data:`FP16_PIPELINE` (``scale-residual``: a
    residual stream past fp16's range carried at 2^-k, the decode graph given the prefill graph's
    k; ``silu-tanh``, ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in
-   fp16 mode) and
-   ``logits-offset`` on the logits output (unless ``logits_offset`` is off: the logits relative
-   to their row's maximum, subtracted before the lm_head's fp16 rounding, plus that maximum as
-   ``<logits>_offset``; the manifest's ``logits_offset`` role names it) and ``tied-embedding``
-   (a tied token embedding read from the lm_head's weight, so the bundle stores the table once);
+   fp16 mode), ``logits-offset`` on the logits output when ``logits_offset`` is set
+   (``--logits-offset``; off by default, as it reads the lm_head's weight twice per call:
+   ``docs/lm_head_forms.md``): the logits relative to their row's maximum, subtracted before the
+   lm_head's fp16 rounding, plus that maximum as ``<logits>_offset``, which the manifest's
+   ``logits_offset`` role names; then ``tied-embedding`` (a tied token embedding read from the
+   lm_head's weight, so the bundle stores the table once);
 3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
    decode steps (the static graph with a padded cache must compute what the original computes
    with the unpadded one);
@@ -85,7 +86,7 @@ LOGITS_OFFSET = "logits-offset"
 PRECISIONS = ("fp16", "w8a16", "w4a16")
 
 
-def fp16_passes(logits: str, logits_offset: bool = True, residual_shift: int | None = None) -> Pipeline:
+def fp16_passes(logits: str, logits_offset: bool = False, residual_shift: int | None = None) -> Pipeline:
     """What an fp16 pair gets after htp-llm: :data:`FP16_PIPELINE`, then (with ``logits_offset``)
     ``logits-offset`` on the output named ``logits``, then ``tied-embedding``.  (Quantized pairs do
     not share the table: the lm_head's weight is quantized for the lm_head, not for the lookup.)
@@ -133,7 +134,7 @@ class LlmOptions:
     try_shared: bool = True
     verify_tokens: int = 8
     probe: bool = True
-    logits_offset: bool = True
+    logits_offset: bool = False
     cache_fp16: bool = True
     bundle: str = "qnnpasses"
 
@@ -223,7 +224,7 @@ def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
 
 
 def static_graph(model: Path, roles: Roles, tokens: int, past: int,
-                 quantized: bool = False, logits_offset: bool = True,
+                 quantized: bool = False, logits_offset: bool = False,
                  cache_fp16: bool = True, residual_shift: int | None = None) -> tuple[IRModel, dict[str, Any]]:
     """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied
     (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits,
@@ -252,7 +253,7 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     return ir, {"passes": (lowered if lowerings else []) + records, "cache_dtype": cache_dtype}
 
 
-def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = True,
+def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = False,
                    residual_shift: int | None = None) -> Pipeline:
     """Every pass a graph of the pair runs after the contrib lowerings: the static cache
     (:func:`static_cache_pipeline`), ``htp-llm`` in its ``quantized`` or ``pair`` variant
@@ -321,7 +322,7 @@ def _source_roles(roles: Roles, given: dict[str, str]) -> dict[str, Any]:
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
-          logits_offset: bool = True, roles: dict[str, str] | None = None,
+          logits_offset: bool = False, roles: dict[str, str] | None = None,
           tokenizer: str | Path | None = None, cache_fp16: bool = True, bundle: str = "qnnpasses") -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 

@@ -28,8 +28,8 @@ Semantics of one call of a graph with ``tokens`` = S and ``past`` = P:
 * ``past_key[i]`` / ``past_value[i]`` ``[1, H, P, D]`` (layout ``BHSD``): cache slots 0..P-1;
 * ``new_key[i]`` / ``new_value[i]`` ``[1, H, S, D]``: K/V of the new tokens only; the runner
   writes them at slots valid_len... of its cache itself;
-* ``logits`` ``[1, S, V]``; when the role ``logits_offset`` names an output (fp16 pairs, by
-  default), ``logits`` holds each row's logits minus that row's ``logits_offset`` ``[1, S, 1]``
+* ``logits`` ``[1, S, V]``; when the role ``logits_offset`` names an output (fp16 pairs built
+  with ``--logits-offset``), ``logits`` holds each row's logits minus that row's ``logits_offset`` ``[1, S, 1]``
   (``logits-offset``: the top logits at fp16's fine resolution near 0).  Argmax, softmax and
   sampling read ``logits`` as it is; the absolute logits are ``logits + logits_offset``
   (:func:`absolute_logits`).  A pair without it has ``logits_offset`` null or absent.
