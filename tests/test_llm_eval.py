@@ -144,3 +144,27 @@ def test_fp16_ties_sentence_counts_margins_below_fp16_resolution():
     assert ("resolves the runner-up of such a margin to 2e-05 or finer: what flips it is the fp16 error the "
             "activations accumulate before the lm_head, which moves fp32's top-2 margin by σ 0.007: the "
             "largest margin lost is 4.3σ") in text
+
+
+def test_offset_note_sets_what_logits_offset_buys_against_its_bytes():
+    """The sentence on ``--logits-offset``: both pairs' greedy figures and the difference of their
+    footprints, from the results (none typed in); nothing without both runs."""
+    def run(leading: float, top1: float, sigma: float) -> dict:
+        return {"identical_leading_mean": leading, "top1": top1, "margin_shift_std": sigma}
+
+    def device(total: int, read: int, ceiling: float) -> dict:
+        return {"device": {"device_bytes": total, "decode_step_read_bytes": read,
+                           "decode_tokens_per_second_ceiling": ceiling, "target": "8elite"}}
+
+    mib = 2 ** 20
+    doc = {"exports": {"kv_ts": {
+        "runs": {"fp16-offset:greedy": run(27.25, 0.984, 0.038), "fp16:greedy": run(26.5, 0.979, 0.04)},
+        "builds": {"fp16-offset": device(1600 * mib, 800 * mib, 105.9), "fp16": device(1100 * mib, 550 * mib, 154.1)}}}}
+    text = le._offset_note(doc)
+    assert ("TorchScript: with it 27.25 identical leading tokens, top-1 98.4% (fp32's top-2 margin moved by σ "
+            "0.038); with plain logits 26.50, top-1 97.9% (fp32's top-2 margin moved by σ 0.040). Its second "
+            "lm_head takes 500 MiB more of the device's memory (1,600 MiB against 1,100) and 250 MiB more read "
+            "per decode step: a memory-bandwidth ceiling of 105.9 tokens/s on the Snapdragon 8 Elite against "
+            "154.1.") in text
+    del doc["exports"]["kv_ts"]["runs"]["fp16-offset:greedy"]
+    assert le._offset_note(doc) == ""

@@ -22,7 +22,12 @@ TorchScript exporter, ``kv_dynamo`` by the dynamo exporter; trained weights, dyn
    (:data:`CEILINGS`): the original export on onnxruntime CPU with its weights rounded to fp16
    (computing in fp32), and the Hugging Face model in torch float16 / bfloat16 on the CPU, each
    generating greedily with its own growing cache (identical leading tokens) and teacher-forced
-   on the prompt + the original's tokens (top-1): whether the target is within reach of fp16 at all.
+   on the prompt + the original's tokens (top-1): whether the target is within reach of fp16 at all;
+6. with ``fp16-offset`` in ``--precisions``: the fp16 pair built with ``--logits-offset`` and measured
+   as the fp16 pair is, beside it: what the offset buys, and its bytes from the two builds' footprints.
+
+A quantized pair built by an earlier quantization recipe than the current one says so in the tables
+(``--doc-only`` rewrites the Markdown from the JSON with the current code's labels).
 
 Prompts are held-out windows of real English text (``english_text.py``, the ``eval`` windows
 of ``trained_fixtures.py``): the first ``--prompt-tokens`` tokens are the prompt, the next
@@ -32,7 +37,7 @@ of ``trained_fixtures.py``): the first ``--prompt-tokens`` tokens are the prompt
     python tools/llm_eval.py [--model smollm2_135m] [--exporters kv_ts,kv_dynamo] [--precisions fp16,w8a16] [--context 128]
                              [--prefill 16] [--prompts 4] [--prompt-tokens 16] [--new-tokens 32]
                              [--quantized-prompts K] [--quantized-exporters kv_ts]
-                             [--work DIR] [--reuse] [--out docs/llm]
+                             [--work DIR] [--reuse] [--out docs/llm] [--doc-only]
 """
 
 from __future__ import annotations
@@ -189,6 +194,10 @@ class TorchModel:
         return self._feed(list(ids), self.empty)[0]
 
 
+#: The fp16 pair built with ``qnnpasses llm --logits-offset``: what the offset buys.
+OFFSET = "fp16-offset"
+PRECISION_LABELS = {OFFSET: "fp16, logits-offset"}
+FLOAT = ("fp16", OFFSET)
 #: Off-HTP runs of the same prompts that bound what fp16 can do (:func:`ceiling_model`).
 CEILINGS = {"fp16-weights": "original export, weights rounded to fp16, computing in fp32 (onnxruntime CPU)",
             "torch-fp16": "Hugging Face model in torch float16 (CPU)",
@@ -329,6 +338,8 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
 
     manifest_path = out / "llm.json"
     seconds = None
+    offset = precision == OFFSET  # an fp16 pair built with --logits-offset
+    precision = "fp16" if precision in FLOAT else precision
     fresh = reuse and manifest_path.exists()
     if fresh:
         old = load_manifest(out)
@@ -339,13 +350,14 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
         else:
             first = onnx.load(str(out / old["graphs"]["prefill"]["parts"][0]["onnx"]), load_external_data=False)
             spec = {p.key: p.value for p in first.metadata_props}.get("qnnpasses.passmanager.spec", "")
-            fresh = fresh and spec.endswith("," + fp16_passes(old["source_roles"]["logits"]).to_text())
+            fresh = fresh and spec.endswith("," + fp16_passes(old["source_roles"]["logits"], offset).to_text())
         if compile:
             fresh = fresh and all(p.get("compiled") for g in old["graphs"].values() for p in g["parts"])
     if not fresh:
         start = time.monotonic()
         calib = tf.DEFAULT_CACHE / f"{MODEL}.calib.npz" if precision != "fp16" else None
-        build(export, out, context=context, prefill=prefill, precision=precision, calib=calib, compile=compile)
+        build(export, out, context=context, prefill=prefill, precision=precision, calib=calib, compile=compile,
+              logits_offset=offset)
         seconds = round(time.monotonic() - start, 1)
     report = json.loads((out / "report.json").read_text())
     return {"manifest": load_manifest(out), "report": report, "build_seconds": seconds or report.get("seconds")}
@@ -494,6 +506,34 @@ def _fp16_ties(doc: dict[str, Any]) -> str:
     return text
 
 
+def _offset_note(doc: dict[str, Any]) -> str:
+    """What ``--logits-offset`` buys (the fp16 pair with and without it, on the same prompts) and
+    what it costs (device bytes and bytes read per decode step, from the two builds' footprints)."""
+    from qnnpasses.backends.targets import resolve
+
+    notes = []
+    for name, res in doc["exports"].items():
+        runs = [res["runs"].get(f"{p}:greedy") for p in (OFFSET, "fp16")]
+        builds = [res.get("builds", {}).get(p, {}).get("device") or {} for p in (OFFSET, "fp16")]
+        if not all(r and "error" not in r for r in runs) or not all(b.get("device_bytes") for b in builds):
+            continue
+        (on, off), (big, small) = runs, builds
+        sigma = [f" (fp32's top-2 margin moved by σ {r['margin_shift_std']:.3f})" if "margin_shift_std" in r else ""
+                 for r in runs]
+        notes.append(
+            f"{_name(name)}: with it {on['identical_leading_mean']:.2f} identical leading tokens, top-1 "
+            f"{_pct(on['top1'])}{sigma[0]}; with plain logits {off['identical_leading_mean']:.2f}, top-1 "
+            f"{_pct(off['top1'])}{sigma[1]}. Its second lm_head takes "
+            f"{(big['device_bytes'] - small['device_bytes']) / 2**20:,.0f} MiB more of the device's memory "
+            f"({big['device_bytes'] / 2**20:,.0f} MiB against {small['device_bytes'] / 2**20:,.0f}) and "
+            f"{(big['decode_step_read_bytes'] - small['decode_step_read_bytes']) / 2**20:,.0f} MiB more read per decode "
+            f"step: a memory-bandwidth ceiling of {big['decode_tokens_per_second_ceiling']} tokens/s on the "
+            f"{resolve(big['target']).product} "
+            f"against {small['decode_tokens_per_second_ceiling']}")
+    return ("`--logits-offset`, what it buys and what it costs (the fp16 pair built with it, beside the default "
+            "plain one). " + "; ".join(notes) + ".") if notes else ""
+
+
 def _overflow_verdict(bf16: list[dict], htp: list[dict], turned: list[float], target: int, new_tokens: int) -> str:
     """What the off-HTP runs say when torch fp16 overflows: no fp16 run off the HTP to hold the
     pair against, bfloat16 (fp32's range, 8 bits of mantissa) as the nearest; where the pair
@@ -542,6 +582,18 @@ def _ceiling_verdict(torch16: list[dict], htp: list[dict], turned: list[float], 
             "on these prompts: the pair's shortfall is not a limit of fp16, and the HTP result has headroom")
 
 
+def _label(res: dict[str, Any], precision: str) -> str:
+    """The precision as the tables name it; a quantized pair built by an earlier quantization
+    recipe than the one ``qnnpasses llm`` builds now says so (its figures predate the current one)."""
+    from qnnpasses.llm.quantize import RECIPE
+
+    build = res.get("builds", {}).get(precision) or {}
+    recipe = (build.get("quantization") or {}).get("recipe")
+    # an fp16 pair of the time logits-offset was on by default
+    label = PRECISION_LABELS.get(OFFSET if precision == "fp16" and build.get("logits_offset") else precision, precision)
+    return label if recipe in (None, RECIPE) else f"{label} (recipe {recipe}; `qnnpasses llm` now builds recipe {RECIPE})"
+
+
 def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     rows = [(f"| export | precision | fed through the pair | identical leading tokens (of {s['new_tokens']}) | "
@@ -550,10 +602,10 @@ def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
     for name, res in doc["exports"].items():
         for key, r in res["runs"].items():
             precision, mode = key.split(":")
-            rows.append(_accuracy_row(name, precision, mode, r))
+            rows.append(_accuracy_row(name, _label(res, precision), mode, r))
         for key, r in res.get("cpu_runs", {}).items():
             precision, mode = key.split(":")
-            rows.append(_accuracy_row(name, f"{precision}, CPU proxy", mode, r))
+            rows.append(_accuracy_row(name, f"{_label(res, precision)}, CPU proxy", mode, r))
         for precision in res.get("not_run", []):
             rows.append(f"| {_name(name)} | {precision} | not measured in this run | | | | |")
     if any(res.get("cpu_runs") for res in doc["exports"].values()):
@@ -593,7 +645,8 @@ def _speed_rows(doc: dict[str, Any]) -> list[str]:
             if "error" in r:
                 continue
             b = res["builds"][precision]
-            rows.append(f"| {_name(name)} | {precision} | {b['build_seconds']} s | {b['weight_sharing']} | "
+            rows.append(f"| {_name(name)} | {_label(res, precision)} | {b['build_seconds']} s | "
+                        f"{b['weight_sharing']} | "
                         f"{r['load_seconds']} s | {r['prefill_seconds_mean']:.2f} s | "
                         + (f"{r['decode_seconds_per_token_mean']:.2f} s |" if key.endswith(":greedy") else
                            "- (prefill calls only) |"))
@@ -667,13 +720,14 @@ def render(doc: dict[str, Any]) -> str:
                f"{_pct(TARGETS['w8a16_teacher_forced_top1'])} and perplexity within "
                f"{round(100 * (TARGETS['w8a16_perplexity_ratio'] - 1))}% of fp32 in w8a16.")
     ties = _fp16_ties(doc)
+    offset = _offset_note(doc)
     ceilings = _ceiling_rows(doc)
     speed = ("Wall time on this project's 2-core x86 machine, where onnxruntime-qnn *simulates* the HTP (no phone "
              "NPU here) while other jobs shared the cores: for comparing graphs, not as device figures.")
     lines = [f"# {spec.title} as a prefill + decode pair on the HTP", "",
              (f"Written by `{('python tools/llm_eval.py ' + doc['command']).strip()}` ({doc['finished']}); every figure is in "
              f"`docs/{doc.get('out', 'llm')}.json`."), "", intro, "", "## Accuracy", "", *_accuracy_rows(doc), "", targets, "", method, "", ties,
-             "", *(["## How far fp16 gets off the HTP", "", *ceilings, ""] if ceilings else []),
+             *(["", offset] if offset else []), "", *(["## How far fp16 gets off the HTP", "", *ceilings, ""] if ceilings else []),
              "## Graphs (fp16)", "", *_graph_rows(doc), "", "## Speed on this host", "", speed, "",
              *_speed_rows(doc)]
     sample = doc.get("sample")
@@ -691,7 +745,7 @@ def render(doc: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- main
 
 
-RUNS = {"fp16": ("greedy",), "w8a16": ("text",), "w4a16": ("text",)}
+RUNS = {"fp16": ("greedy",), OFFSET: ("greedy",), "w8a16": ("text",), "w4a16": ("text",)}
 
 
 def _cached(path: Path, key: dict[str, Any], reuse: bool, compute) -> Any:
@@ -735,7 +789,7 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             res["ceilings"][name] = value
     for precision in args.precisions.split(","):
         out = args.work / f"{exporter}_{precision}"
-        if precision != "fp16" and args.quantized_exporters and exporter not in args.quantized_exporters.split(","):
+        if precision not in FLOAT and args.quantized_exporters and exporter not in args.quantized_exporters.split(","):
             res["not_run"].append(precision)
             continue
         log.info("%s %s: qnnpasses llm -> %s", exporter, precision, out)
@@ -751,7 +805,10 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
             continue
         res["builds"][precision] = {"build_seconds": built["build_seconds"],
                                     "weight_sharing": built["manifest"]["weight_sharing"],
-                                    "logits_offset": bool(built["manifest"]["graphs"]["decode"]["roles"].get("logits_offset"))}
+                                    "logits_offset": bool(built["manifest"]["graphs"]["decode"]["roles"].get("logits_offset")),
+                                    "device": {k: (built["report"].get("device") or {}).get(k) for k in
+                                               ("device_bytes", "decode_step_read_bytes", "decode_tokens_per_second_ceiling",
+                                                "target")}}
         if built["report"].get("quantization"):
             q = built["report"]["quantization"]
             with np.load(tf.DEFAULT_CACHE / f"{MODEL}.calib.npz") as calib:
@@ -772,7 +829,7 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
         if precision == "fp16":
             res["graphs"] = graph_rows(built)
         run_items, run_refs, run_ties = items, refs, ties
-        if precision != "fp16" and args.quantized_prompts:
+        if precision not in FLOAT and args.quantized_prompts:
             run_items = prompts(args.quantized_prompts, args.prompt_tokens, args.new_tokens)
             windows = [i["window"] for i in items]
             if any(i["window"] not in windows for i in run_items):
@@ -795,7 +852,7 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
                 divergences(value, run_items, run_refs, ties)
             value["windows"] = [i["window"] for i in run_items]
             res["runs"][f"{precision}:{mode}"] = value
-        for mode in (("text", "greedy") if "cpu" in args.on and precision != "fp16" else ()):
+        for mode in (("text", "greedy") if "cpu" in args.on and precision not in FLOAT else ()):
             # the CPU proxy: the same QDQ graphs on onnxruntime CPU (greedy: the continuation through decode)
             log.info("%s %s: teacher-forced on onnxruntime CPU (%s)", exporter, precision, mode)
             run_key = {**key, "windows": [i["window"] for i in run_items], "context": args.context,
@@ -839,10 +896,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the docs from the results stored by earlier runs only (implies --reuse)")
     parser.add_argument("--out", type=Path, help="writes OUT.md and OUT.json (default docs/llm, for a model other "
                                                  "than SmolLM2 docs/llm_MODEL)")
+    parser.add_argument("--doc-only", action="store_true", help="rewrite OUT.md from OUT.json (no run)")
     args = parser.parse_args(argv)
     MODEL = args.model
     suffix = "" if MODEL == "smollm2_135m" else f"_{MODEL}"
     args.out = args.out or REPO / "docs" / f"llm{suffix}"
+    if args.doc_only:
+        args.out.with_suffix(".md").write_text(render(json.loads(args.out.with_suffix(".json").read_text())))
+        log.info("wrote %s.md", args.out)
+        return 0
     args.work = args.work or tf.DEFAULT_CACHE.parent / f"llm_eval{suffix}"
     args.reuse = args.reuse or args.render_only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
