@@ -194,12 +194,11 @@ def _check_positions(ir: IRModel, context: int) -> None:
     onnxruntime CPU and reads whatever follows the table on the HTP."""
     from qnnpasses.ir.kv_roles import rotary_gathers
 
-    tables = {id(g.inputs[0]): g.inputs[0] for g in rotary_gathers(ir.graph)}
-    short = min(tables.values(), key=lambda t: int(t.shape[0]), default=None)
-    if short is not None and int(short.shape[0]) < context:
-        rows = int(short.shape[0])
+    rows, name = min(((int(g.inputs[0].shape[0]), g.inputs[0].name) for g in rotary_gathers(ir.graph)),
+                     default=(context, ""))
+    if rows < context:
         raise BadInputError(f"--context {context}: the export reads positions from a table of {rows} rows "
-                            f"('{short.name}'), so positions past {rows - 1} do not exist; use --context {rows} or less")
+                            f"('{name}'), so positions past {rows - 1} do not exist; use --context {rows} or less")
 
 
 def _check_computes(model: Path, tokens: int) -> None:
