@@ -67,6 +67,7 @@ from qnnpasses.backends.cpu import (
 )
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, derived_from, remove_model, save_model
+from qnnpasses.ir.read import constant_value
 from qnnpasses.memory import release
 
 #: real calls of each graph the fp32 check runs on (the first calibration samples)
@@ -185,13 +186,17 @@ def _drop_graphs(paths, work: Path) -> None:
 
 
 def constant_digests(ir: IRModel) -> dict[str, str]:
-    """Name -> digest of the values of every constant tensor (what two graphs' shared weights hold)."""
+    """Name -> digest of the values of every constant tensor (what two graphs' shared weights hold).
+
+    A rewritten weight is a recipe (:func:`qnnpasses.ir.model.derived_from`): it is computed for its
+    digest and let go, never kept in the graph (``tensor.values`` would keep every one of them, the
+    size of the model, until the graph is saved)."""
     import onnx_graphsurgeon as gs
 
     out = {}
     for name, tensor in ir.graph.tensors().items():
         if isinstance(tensor, gs.Constant):
-            value = np.ascontiguousarray(tensor.values).reshape(-1)
+            value = np.ascontiguousarray(constant_value(tensor)).reshape(-1)
             digest = hashlib.sha1(str(value.dtype).encode())
             digest.update(memoryview(value.view(np.uint8)))  # hashed where it lies: no copy of a large weight
             out[name] = digest.hexdigest()
