@@ -16,6 +16,8 @@ import resource
 import threading
 from pathlib import Path
 
+import numpy as np
+
 STATUS = Path("/proc/self/status")
 KIB = 1024  # ru_maxrss and /proc's figures are in KiB on Linux
 
@@ -82,3 +84,34 @@ class PeakMemory:
         return {"private_peak_bytes": self.private_peak,
                 "resident_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB,
                 "child_resident_peak_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * KIB}
+
+
+def spill(values: dict[str, np.ndarray], folder: Path, stem: str, *, above: int = 0) -> dict[str, np.ndarray]:
+    """``values`` kept on disk: each array written to ``folder/stem.J.npy`` and mapped back read-only,
+    when together they hold more than ``above`` bytes (else ``values`` itself).
+
+    For outputs a long command keeps to compare with later (the references of verification cases:
+    an LLM graph's logits and caches on ten cases at context 4096 are gigabytes).  Mapped pages are
+    file cache the system can drop and read again, not the command's private memory."""
+    if array_bytes(values) <= above:
+        return values
+    arrays = {k: v for k, v in values.items() if isinstance(v, np.ndarray)}
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = dict(values)
+    for j, (name, value) in enumerate(arrays.items()):
+        path = folder / f"{stem}.{j}.npy"
+        np.save(path, value)
+        kept[name] = np.load(path, mmap_mode="r")
+    return kept
+
+
+def unspill(values: dict[str, np.ndarray]) -> None:
+    """Remove the files :func:`spill` mapped ``values`` from (their pages stay readable while mapped)."""
+    for value in values.values():
+        if isinstance(value, np.memmap) and value.filename:
+            Path(value.filename).unlink(missing_ok=True)
+
+
+def array_bytes(values: dict) -> int:
+    """Bytes of the arrays among ``values``' values."""
+    return sum(v.nbytes for v in values.values() if isinstance(v, np.ndarray))

@@ -161,6 +161,32 @@ def test_numerically_wrong_pass_is_rolled_back_with_figures():
     _assert_outputs_unchanged(ir)
 
 
+def test_references_kept_on_disk_verify_as_those_in_memory(monkeypatch, tmp_path):
+    """Outputs above SPILL_BYTES are compared from files mapped back: the same figures, a wrong pass
+    still rolled back, and no file left behind (an LLM graph's references at context 4096 are
+    gigabytes: 3.9 GiB of a 0.5 B build's memory before)."""
+    import tempfile
+
+    from qnnpasses.memory import spill
+    from qnnpasses.passmanager import manager as manager_module
+
+    spec = "test-add-becomes-sub,fix-shapes,simplify,cleanup"
+    _, in_memory = _run(spec)
+    monkeypatch.setattr(manager_module, "SPILL_BYTES", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    kept = []
+    monkeypatch.setattr(manager_module, "spill", lambda *a, **k: kept.append(a[2]) or spill(*a, **k))
+    ir, spilled = _run(spec)
+    assert len(kept) >= 2 * len(spilled.verification_cases)  # the input's outputs and each checked pass's
+    assert [r.status for r in spilled.records] == [r.status for r in in_memory.records]
+    assert spilled.records[0].status == ROLLED_BACK and "outputs changed beyond tolerance" in spilled.records[0].reason
+    assert spilled.records[0].verification == in_memory.records[0].verification
+    assert any(r.status == CHANGED for r in spilled.records[1:])
+    assert spilled.final_verification == in_memory.final_verification and spilled.final_verification["ok"]
+    assert list(tmp_path.iterdir()) == []
+    _assert_outputs_unchanged(ir)
+
+
 def test_without_verify_a_wrong_pass_is_kept():
     ir, result = _run("test-add-becomes-sub", verify=False)
     assert result.records[0].status == CHANGED

@@ -68,7 +68,7 @@ from qnnpasses.backends.cpu import (
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, derived_from, remove_model, save_model
 from qnnpasses.ir.read import constant_value
-from qnnpasses.memory import release
+from qnnpasses.memory import release, spill
 
 #: real calls of each graph the fp32 check runs on (the first calibration samples)
 REAL_SAMPLES = 4
@@ -156,18 +156,12 @@ def _run(path: Path, cases: list[VerificationCase], *, widen: bool, store: Path 
     session = cpu_session(path, mapped=True, optimize=False, quiet=True)
     names = [o.name for o in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
-    if store is not None:
-        store.mkdir(parents=True, exist_ok=True)
     outputs = []
     for i, case in enumerate(cases):
         feed = {k: (v.astype(np.float64) if widen and v.dtype == np.float32 else v)
                 for k, v in case.inputs.items() if k in wanted}
-        values = session.run(names, feed)
-        if store is not None:
-            for j, value in enumerate(values):
-                np.save(store / f"{i}.{j}.npy", value)
-            values = [np.load(store / f"{i}.{j}.npy", mmap_mode="r") for j in range(len(values))]
-        outputs.append(dict(zip(names, values)))
+        values = dict(zip(names, session.run(names, feed)))
+        outputs.append(values if store is None else spill(values, store, str(i)))
     return outputs
 
 

@@ -24,10 +24,13 @@ are instruments, not code in the loop.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,12 +43,13 @@ from qnnpasses.backends.cpu import (
     VerificationCase,
     adapt_inputs,
     compare_outputs,
-    run_cpu_many,
+    run_cpu_each,
     verification_cases,
 )
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.checks import check_model, passed_check
 from qnnpasses.ir.model import IRModel
+from qnnpasses.memory import array_bytes, spill, unspill
 from qnnpasses.passmanager.api import (
     ALL_CASES,
     APPROXIMATE_KIND,
@@ -63,6 +67,8 @@ from qnnpasses.passmanager.snapshot import Snapshot
 CHANGED, UNCHANGED, ROLLED_BACK, SKIPPED = "changed", "unchanged", "rolled-back", "skipped"
 # at most this many --inputs/--calib samples join the verification cases
 MAX_GIVEN_SAMPLES = 4
+# a case's outputs above this many bytes are kept for comparison in files mapped back, not in memory
+SPILL_BYTES = 32 << 20
 
 
 @dataclass
@@ -164,23 +170,33 @@ class PassManager:
         self._mappings: list[tuple[Pass, dict[str, str]]] = []  # applied output mappings, in order
         self._dropped: list[dict[str, str]] = []  # cases the input model itself cannot run
         self._applied: list[Contract] = []  # contracts of the passes that changed the graph
+        self._original: list[dict[str, np.ndarray]] = []  # the input model's outputs on the cases
+        self._spill_root: Path | None = None  # where large references are kept (:meth:`_kept`)
+        self._spilled = 0
 
     # ------------------------------------------------------------------ driving
 
     def run(self, ir: IRModel) -> RunResult:
+        try:
+            return self._run_pipeline(ir)
+        finally:
+            if self._spill_root is not None:
+                shutil.rmtree(self._spill_root, ignore_errors=True)
+                self._spill_root = None
+
+    def _run_pipeline(self, ir: IRModel) -> RunResult:
         self.records, self.result = [], None
         self._spare_snapshot, self._last_fingerprint, self._applied = None, None, []
-        original: list[dict[str, np.ndarray]] = []
-        self._mappings, self._dropped, self._cases, self._reference = [], [], [], []
+        self._mappings, self._dropped, self._cases, self._reference, self._original = [], [], [], [], []
         if self.config.verify:
-            original = self._prepare_cases(ir)
+            self._original = self._prepare_cases(ir)
         for instrument in self.instruments:
             instrument.before_pipeline(ir, self.pipeline)
         self._run_items(self.pipeline.items, ir, iteration=None)
         result = self.result = RunResult(self.records, verification_cases=[
             {"name": c.name, "detail": c.detail} for c in self._cases] + self._dropped)
-        if original:
-            result.final_verification = self._final_verification(ir, original)
+        if self._original:
+            result.final_verification = self._final_verification(ir, self._original)
         for instrument in self.instruments:
             instrument.after_pipeline(ir, result)
         if self.config.strict and result.verified_ok is False:
@@ -196,7 +212,7 @@ class PassManager:
         if self.config.inputs:  # the user's inputs set the shapes of every case
             shapes.update({k: list(v.shape) for k, v in self.config.inputs.items() if isinstance(v, np.ndarray)})
         cases = verification_cases(ir, self.config.seed, shapes, given[:MAX_GIVEN_SAMPLES])
-        outputs = run_cpu_many(ir, [c.inputs for c in cases], keep_going=True)
+        outputs = self._outputs(ir, [c.inputs for c in cases])
         # the user's inputs must run (else the random ones must): the others may be no case for this model
         must = next((i for i, c in enumerate(cases) if c.name == CASE_GIVEN), 0) if self.config.inputs else 0
         if isinstance(outputs[must], Exception):
@@ -210,6 +226,22 @@ class PassManager:
         self._cases = [c for c, _ in kept]
         self._reference = [o for _, o in kept]
         return list(self._reference)
+
+    def _outputs(self, ir: IRModel, inputs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
+        """The outputs on every input set (an exception for a set that fails), each kept by :meth:`_kept`."""
+        return [got if isinstance(got, Exception) else self._kept(got)
+                for got in run_cpu_each(ir, inputs, keep_going=True)]
+
+    def _kept(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``outputs`` as the run keeps them to compare with later: above :data:`SPILL_BYTES` in files
+        mapped back (:func:`qnnpasses.memory.spill`), so that the references of every case, the
+        outputs of the pass under check and the input model's own are not all in memory at once."""
+        if array_bytes(outputs) <= SPILL_BYTES:
+            return outputs
+        if self._spill_root is None:
+            self._spill_root = Path(tempfile.mkdtemp(prefix="qnnpasses-verify-"))
+        self._spilled += 1
+        return spill(outputs, self._spill_root, str(self._spilled))
 
     def _planned_shapes(self, ir: IRModel) -> dict[str, list[int]]:
         """Input shapes for verification: what a shape-fixing pass in the pipeline will set,
@@ -325,7 +357,22 @@ class PassManager:
 
     def _verify(self, pass_: Pass, ir: IRModel, record: PassRecord, renames: dict[str, str]) -> bool:
         contract = pass_.contract
-        outputs = run_cpu_many(ir, [adapt_inputs(ir, c.inputs) for c in self._cases], keep_going=True)
+        outputs = self._outputs(ir, [adapt_inputs(ir, c.inputs) for c in self._cases])
+        if not self._compare_to_reference(pass_, record, renames, outputs):
+            for got in outputs:
+                if not isinstance(got, Exception):
+                    unspill(got)
+            return False
+        # every case's reference moves on, also those the contract does not speak for
+        for old in self._reference:
+            if not any(old is first for first in self._original):
+                unspill(old)
+        self._reference = [got if not isinstance(got, Exception) else {} for got in outputs]
+        return True
+
+    def _compare_to_reference(self, pass_: Pass, record: PassRecord, renames: dict[str, str],
+                              outputs: list[dict[str, np.ndarray] | Exception]) -> bool:
+        contract = pass_.contract
         broken = next((o for c, o in zip(self._cases, outputs)
                        if isinstance(o, Exception) and c.name in contract.holds_on), None)
         if broken is not None:
@@ -347,8 +394,6 @@ class PassManager:
                 what = "outputs changed beyond tolerance"
             record.reason = f"{what}: {record.verification['failure']}"
             return False
-        # every case's reference moves on, also those the contract does not speak for
-        self._reference = [got if not isinstance(got, Exception) else {} for got in outputs]
         return True
 
     def _final_verification(self, ir: IRModel, original: list[dict[str, np.ndarray]]) -> dict[str, Any]:
@@ -360,7 +405,8 @@ class PassManager:
             if contract.kind == APPROXIMATE_KIND:
                 atol, rtol = max(atol, contract.atol), max(rtol, contract.rtol)
                 min_cosine = min(min_cosine, contract.min_cosine)
-        outputs = run_cpu_many(ir, [adapt_inputs(ir, c.inputs) for c in self._cases], keep_going=True)
+        # one case's outputs at a time: compared, then let go
+        outputs = run_cpu_each(ir, [adapt_inputs(ir, c.inputs) for c in self._cases], keep_going=True)
         comparisons: dict[str, list[Comparison]] = {}
         for case, reference, got in zip(self._cases, original, outputs):
             if case.name not in holds:
