@@ -45,6 +45,7 @@ from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 from qnnpasses.errors import BadInputError
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.memory import release
 from qnnpasses.passmanager.api import PassContext
 from qnnpasses.passmanager.manager import PassManager, RunConfig
 from qnnpasses.passmanager.named import get_pipeline, named_pipelines
@@ -203,6 +204,9 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
                                 extra_options=config.extra_options, calibration_cache_path=cache)
         finally:
             os.chdir(cwd)
+        # what the quantizer allocated stays with the process after it returns (1.5 GiB more than
+        # before it ran, on a 0.5 B model): give it back before the refinement loads the result
+        release()
         refined = {}
         if policy.weight_scales == "mse" or policy.block_size or policy.weight_rounding != "nearest":
             gptq = None
