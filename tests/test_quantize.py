@@ -392,3 +392,27 @@ def test_overrides_name_only_the_prepared_models_tensors_when_the_qdq_model_is_s
     names = {t for n in prepared.graph.node for t in [*n.input, *n.output]} | {i.name for i in prepared.graph.initializer}
     doc = json.loads((tmp_path / "ov.v2.json").read_text())
     assert doc["encodings"] and all(e["name"] in names for e in doc["encodings"])
+
+
+def test_weights_read_on_demand_give_the_same_quantized_model(small, tmp_path, monkeypatch):
+    """onnxruntime's quantizer reading each weight from the prepared model's file when it quantizes it
+    (qnnpasses.quant.streamed: a 0.5 B build no longer holds all its float weights and their quantized
+    copies at once) writes the same QDQ model, byte for byte, as with every weight loaded first."""
+    import contextlib
+
+    from qnnpasses.ir.model import save_model
+    from qnnpasses.quant import driver, streamed
+
+    _, calib_path, _ = small
+    path = save_model(_prepared(LLAMA), tmp_path / "prepared.onnx", external_data=True)
+    calib = CalibrationData(calib_path, model_inputs(load_model(path)))
+    read, original = [], streamed.load_external_data_for_tensor
+    monkeypatch.setattr(streamed, "load_external_data_for_tensor", lambda t, d: read.append(t.name) or original(t, d))
+    quantize_model(path, calib, tmp_path / "on_demand" / "model.onnx", MIXED)
+    assert len(read) >= 10  # the weights came from the file, one by one
+    monkeypatch.setattr(driver, "weights_on_demand", lambda folder: contextlib.nullcontext())
+    quantize_model(path, calib, tmp_path / "loaded" / "model.onnx", MIXED)
+    names = sorted(p.name for p in (tmp_path / "loaded").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "on_demand").iterdir()) and "model.onnx" in names
+    for name in names:
+        assert (tmp_path / "on_demand" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes(), name

@@ -53,6 +53,7 @@ from qnnpasses.passmanager.spec import Pipeline, parse_pipeline
 from qnnpasses.quant.calibration import CalibrationData, model_inputs
 from qnnpasses.quant.gptq import GptqCache, GptqConfig
 from qnnpasses.quant.policy import Plan, PrecisionPolicy, make_plan
+from qnnpasses.quant.streamed import weights_on_demand
 from qnnpasses.quant.weights import refine_weights
 
 PIPELINE_KEY = "qnnpasses.passmanager.spec"
@@ -192,7 +193,7 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
         cwd = os.getcwd()
         os.chdir(tmp)  # onnxruntime's calibrators write augmented_model.onnx into the working directory
         try:
-            with quiet_quantizer():
+            with quiet_quantizer(), weights_on_demand(prepared.parent):
                 quantize_static(str(prepared.resolve()), str(out.resolve()), config.calibration_data_reader,
                                 calibrate_method=config.calibrate_method, quant_format=config.quant_format,
                                 activation_type=config.activation_type, weight_type=config.weight_type,
@@ -204,8 +205,8 @@ def quantize_model(model: str | os.PathLike | IRModel, calib: CalibrationData | 
                                 extra_options=config.extra_options, calibration_cache_path=cache)
         finally:
             os.chdir(cwd)
-        # what the quantizer allocated stays with the process after it returns (1.5 GiB more than
-        # before it ran, on a 0.5 B model): give it back before the refinement loads the result
+        # what the quantizer allocated stays with the process after it returns: give it back before
+        # the refinement loads the result
         release()
         refined = {}
         if policy.weight_scales == "mse" or policy.block_size or policy.weight_rounding != "nearest":
