@@ -110,13 +110,18 @@ def render(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_docs(measure, render, doc_json: Path, doc_md: Path, argv: list[str] | None = None) -> int:
+    """A probe's command line: ``measure()`` into ``doc_json`` (unless ``--doc-only``), ``render`` of it into ``doc_md``."""
     args = argv if argv is not None else sys.argv[1:]
     if "--doc-only" not in args:
-        DOC_JSON.write_text(json.dumps(measure(), indent=1) + "\n")
-    DOC_MD.write_text(render(json.loads(DOC_JSON.read_text())))
-    print(f"wrote {DOC_MD.relative_to(ROOT)}")
+        doc_json.write_text(json.dumps(measure(), indent=1) + "\n")
+    doc_md.write_text(render(json.loads(doc_json.read_text())))
+    print(f"wrote {doc_md.relative_to(ROOT)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_docs(measure, render, DOC_JSON, DOC_MD, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Writes ``docs/htp_rounding.json`` and ``docs/htp_rounding.md``.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_act_matmul import _encoding  # noqa: E402
+from probe_act_matmul import _encoding, write_docs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_JSON, DOC_MD = ROOT / "docs" / "htp_rounding.json", ROOT / "docs" / "htp_rounding.md"
@@ -193,12 +192,7 @@ def render(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    if "--doc-only" not in args:
-        DOC_JSON.write_text(json.dumps(measure(), indent=1) + "\n")
-    DOC_MD.write_text(render(json.loads(DOC_JSON.read_text())))
-    print(f"wrote {DOC_MD.relative_to(ROOT)}")
-    return 0
+    return write_docs(measure, render, DOC_JSON, DOC_MD, argv)
 
 
 if __name__ == "__main__":
