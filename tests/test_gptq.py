@@ -267,7 +267,7 @@ def test_gptq_reads_weights_kept_in_an_external_file(data, tmp_path):
     """A model whose weights lie in an external file (every real LLM): GPTQ reads them while its probe
     runs on the same file (onnx refuses a weight file with several hard links, so the probe must not
     link it), and writes exactly the weights it writes for the same model stored inline."""
-    from qnnpasses.ir.model import save_model
+    from qnnpasses.ir.model import keeps_external_data, save_model
 
     external = save_model(load_model(fixture_path(LLAMA)), tmp_path / "external" / "model.onnx", external_data=True)
     policy = PrecisionPolicy(weights="int8", weight_rounding="gptq", outliers="")
@@ -276,3 +276,13 @@ def test_gptq_reads_weights_kept_in_an_external_file(data, tmp_path):
     got, want = _dequantized(tmp_path / "external.qdq.onnx"), _dequantized(tmp_path / "inline.qdq.onnx")
     assert set(got) == set(want) and len(want) >= 14
     assert all(np.array_equal(got[k], want[k]) for k in want)
+    # the refined weights stay where the quantizer put them (a session maps them), in a data file
+    # written anew, not appended to; the inline model leaves no data file behind
+    assert keeps_external_data(tmp_path / "external.qdq.onnx")
+    assert not keeps_external_data(tmp_path / "inline.qdq.onnx")
+    assert not (tmp_path / "inline.qdq.onnx.data").exists()
+    ends = [int(e["offset"]) + int(e["length"])
+            for t in onnx.load(str(tmp_path / "external.qdq.onnx"), load_external_data=False).graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in [{x.key: x.value for x in t.external_data}]]
+    assert len(ends) >= 14 and max(ends) == (tmp_path / "external.qdq.onnx.data").stat().st_size

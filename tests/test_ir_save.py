@@ -64,3 +64,21 @@ def test_kernel_copy_writes_what_streaming_writes(tmp_path, monkeypatch, hole):
     if hole and os.stat(tmp_path / "in" / "model.onnx.data").st_blocks * 512 < 2 * 4 * SIZE:  # the fs keeps holes
         stat = copied[2]
         assert stat.st_blocks * 512 < stat.st_size - 4 * SIZE // 2  # w2 stayed a hole
+
+
+def test_save_proto_rewrites_a_loaded_model_in_place(tmp_path):
+    """A model read whole and written back over itself: external, its data file is written anew
+    (the same bytes, not appended); inline, the old data file goes."""
+    from qnnpasses.ir.model import keeps_external_data, save_proto
+
+    (tmp_path / "in").mkdir()
+    path = _external_model(tmp_path / "in", hole=False)
+    want = (tmp_path / "in" / "model.onnx.data").read_bytes()
+    save_proto(onnx.load(str(path)), path, external_data=True)
+    assert keeps_external_data(path)
+    assert (tmp_path / "in" / "model.onnx.data").read_bytes() == want  # both weights aligned at 0 and 1 MB
+    save_proto(onnx.load(str(path)), path, external_data=False)
+    assert not keeps_external_data(path) and not (tmp_path / "in" / "model.onnx.data").exists()
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    assert np.frombuffer(want, np.float32).tolist() == np.concatenate([weights["w1"], weights["w2"]]).tolist()
+    assert sorted(os.listdir(tmp_path / "in")) == ["model.onnx"]  # no temporary file left

@@ -678,8 +678,32 @@ def save_model(ir: IRModel, path: str | os.PathLike, *, external_data: bool | No
         external_data = ir.had_external_data or ir.weight_bytes() > INLINE_LIMIT_BYTES
     data_file = out.with_name(out.name + ".data") if external_data else None
     _refuse_overwriting_input(ir, out, data_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
     proto, sources = export_with_stubs(ir)
+    _write_files(proto, sources, out, data_file)
+    return out
+
+
+def save_proto(proto: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool) -> Path:
+    """Write a fully loaded ``proto`` atomically to ``path``, its large initializers to ``path.data``
+    when ``external_data`` (aligned, so a session maps them instead of copying them).
+
+    For a model a tool loaded and changed whole (``onnx.load`` with its data); the proto's
+    tensors are moved to the file, so it is spent afterwards.  A file read with its external
+    data and written back in place keeps the data file it had: the old one is replaced, never
+    appended to or left behind with the weights now inline.
+    """
+    out = Path(path)
+    data_file = out.with_name(out.name + ".data") if external_data else None
+    _write_files(proto, [], out, data_file)
+    if data_file is None:
+        out.with_name(out.name + ".data").unlink(missing_ok=True)
+    return out
+
+
+def _write_files(proto: onnx.ModelProto, sources: list[Source], out: Path, data_file: Path | None) -> None:
+    """Resolve ``proto``'s stubs into ``data_file`` (or inline) and write both under temporary
+    names, renamed into place only after everything was written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp_model = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp_data = data_file.with_name(f".{data_file.name}.tmp-{os.getpid()}") if data_file else None
     try:
@@ -700,7 +724,6 @@ def save_model(ir: IRModel, path: str | os.PathLike, *, external_data: bool | No
             if tmp is not None and tmp.exists():
                 tmp.unlink()
         raise
-    return out
 
 
 #: Bits of an ONNX tensor element type whose numpy itemsize is not its storage (packed 4-bit types).
@@ -723,6 +746,12 @@ def file_weight_bytes(path: str | Path, *, float_bytes: int | None = None) -> in
         size = float_bytes if float_bytes and dtype.kind == "f" else dtype.itemsize
         total += count * size
     return int(total)
+
+
+def keeps_external_data(path: str | os.PathLike) -> bool:
+    """Whether the model file at ``path`` keeps initializers in an external-data file (not read)."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL
+               for t in _all_initializers(onnx.load(str(path), load_external_data=False).graph))
 
 
 def remove_model(path: str | os.PathLike) -> None:

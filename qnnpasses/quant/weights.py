@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qnnpasses.ir.model import INLINE_LIMIT_BYTES, keeps_external_data, save_proto
 from qnnpasses.quant.gptq import GptqConfig, column_slices, gptq_round, weight_hessians, weighted_error
 from qnnpasses.quant.scales import rounding_error, search_scales
 
@@ -87,6 +88,7 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
 
     ``gptq``: round with GPTQ (:mod:`qnnpasses.quant.gptq`) on the same grid instead of to nearest.
     """
+    external = keeps_external_data(qdq_path)
     model = onnx.load(str(qdq_path))
     floats = onnx.load(str(float_model), load_external_data=False)
     float_inits = {i.name: i for i in floats.graph.initializer}
@@ -210,8 +212,9 @@ def refine_weights(qdq_path: str | Path, float_model: str | Path, *, mse: bool =
     report.mse_gain = totals["after"] / totals["before"] if totals["before"] else 1.0
     if totals["out_nearest"]:
         report.output_error_gain = totals["out_gptq"] / totals["out_nearest"]
-    onnx.save(model, str(qdq_path), save_as_external_data=_needs_external(model),
-              location=Path(qdq_path).name + ".data" if _needs_external(model) else None)
+    # the weights stay where the quantizer put them: a session maps an external file, but copies
+    # an inline one (twice while the protobuf is parsed)
+    save_proto(model, qdq_path, external_data=external or model.ByteSize() > INLINE_LIMIT_BYTES)
     return report
 
 
@@ -221,5 +224,3 @@ def _dequantized(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
     return q * (np.repeat(scales, block, axis=0) if block else scales)
 
 
-def _needs_external(model: onnx.ModelProto) -> bool:
-    return model.ByteSize() > 1_800_000_000
