@@ -300,8 +300,10 @@ def cpu_session(path: str | os.PathLike, *, mapped: bool = False, optimize: bool
     """An onnxruntime CPU session of the model file at ``path``.
 
     ``mapped``: the weights stay in the memory-mapped external-data file instead of being copied
-    into packed buffers (onnxruntime's ``session.disable_prepacking``): the process holds about
-    the activations, not the weights, at the cost of slower MatMuls.  ``optimize=False`` runs
+    into packed buffers (onnxruntime's ``session.disable_prepacking``), and each activation goes
+    back to the system once read (no memory arena: the arena keeps every buffer it ever grew to,
+    a quantized graph's dequantized weights included): the process holds about the live
+    activations, not the weights, at the cost of slower MatMuls.  ``optimize=False`` runs
     what the graph says; ``quiet`` keeps onnxruntime's log out of the terminal.
     """
     import onnxruntime as ort
@@ -312,8 +314,14 @@ def cpu_session(path: str | os.PathLike, *, mapped: bool = False, optimize: bool
     if quiet:
         options.log_severity_level = 4
     if mapped:
-        options.add_session_config_entry("session.disable_prepacking", "1")
+        _map_weights(options)
     return ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+
+
+def _map_weights(options) -> None:
+    """Session options that leave the weights in their mapped file and give activations back."""
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.enable_cpu_mem_arena = False
 
 
 def run_cpu(ir_or_path: IRModel | str | os.PathLike, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -344,7 +352,7 @@ def run_cpu_each(ir_or_path: IRModel | str | os.PathLike, inputs: Iterable[dict[
     large = (ir_or_path.weight_bytes() if isinstance(ir_or_path, IRModel) else file_weight_bytes(ir_or_path)) \
         > SESSION_INLINE_BYTES
     if large:
-        options.add_session_config_entry("session.disable_prepacking", "1")
+        _map_weights(options)
     if isinstance(ir_or_path, IRModel):
         if not large:
             session = ort.InferenceSession(to_model_bytes(ir_or_path), options, providers=["CPUExecutionProvider"])
