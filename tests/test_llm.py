@@ -296,6 +296,10 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
     # random weights, CPU: logits of scale ~0.7 leave near-ties everywhere, so top-1 is a coarse
     # sanity bar here (42-46 of 47 positions seen); the trained model's figures are in docs/llm.md
     assert report["quantized_verification"]["top1"] >= 0.85
+    # the float pair the graphs were made from is gone once checked (--keep-float keeps it)
+    assert report["quantization"]["float_pair"].startswith("removed")
+    assert not list(manifest_dir(manifest).glob("*.float.onnx*"))
+    assert not [g for g in manifest["graphs"].values() if "float_onnx" in g]
     if HTP:  # integer mode, boundary Q/DQ on the HTP too: one partition, no CPU node (fallback disabled)
         for graph_name in ("prefill", "decode"):
             part = report["htp"][graph_name]["parts"][0]

@@ -227,9 +227,10 @@ def test_quantized_pair_applies_the_rewrites_and_stays_on_the_htp(export, tmp_pa
     calib = tmp_path / "tokens.npz"
     np.savez(calib, input_ids=np.random.default_rng(4).integers(0, 256, (4, 40)))
     manifest = build(export, tmp_path / "pair", context=CONTEXT, prefill=PREFILL, precision="w8a16",
-                     calib=str(calib), compile=False, probe=HTP)
+                     calib=str(calib), compile=False, probe=HTP, keep_float=True)
     report = json.loads((Path(manifest["dir"]) / "report.json").read_text())
     quantization = report["quantization"]
+    assert quantization["float_pair"] == "kept"
     assert {r["pass"]: r["status"] for r in quantization["outlier_rewrites"]} == {
         "fold-norm-weights": "changed", "rotate-residual": "changed"}
     for graph in ("prefill", "decode"):  # the quantizer did not run them again on the rewritten graphs

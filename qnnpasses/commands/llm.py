@@ -43,6 +43,9 @@ def register(subparsers) -> None:
                             "peak activations; e.g. 1G). Default: 2G, splitting only the graphs larger than that "
                             "(the HTP's 4 GiB address space holds a context and its buffers)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
+    p.add_argument("--keep-float", dest="keep_float", action="store_true",
+                   help="w8a16|w4a16: keep the float pair the quantized graphs were made from (X.float.onnx) in "
+                        "the bundle, a reference for accuracy work (every weight again in float32)")
     p.add_argument("--logits-offset", dest="logits_offset", action="store_true",
                    help="fp16: output the logits relative to their row's maximum, subtracted inside the lm_head's "
                         "accumulation, with a logits_offset output (the top logits at fp16's fine resolution; costs "
@@ -88,7 +91,7 @@ def main(args) -> int:
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=max_part_bytes, compile=args.compile,
                      logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer,
-                     bundle=args.bundle)
+                     bundle=args.bundle, keep_float=args.keep_float)
     if args.format == "json":
         print(json.dumps(manifest, indent=2))
         return 0

@@ -50,7 +50,7 @@ from qnnpasses.backends.targets import active as active_target
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.kv_roles import Roles
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import IRModel, save_model
+from qnnpasses.ir.model import IRModel, remove_model, save_model
 from qnnpasses.llm.manifest import FORMAT, write_manifest
 from qnnpasses.llm.roles import export_roles, lower_contrib, pass_records, roles_dict
 from qnnpasses.llm.source import model_file
@@ -137,6 +137,7 @@ class LlmOptions:
     logits_offset: bool = False
     cache_fp16: bool = True
     bundle: str = "qnnpasses"
+    keep_float: bool = False
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -322,7 +323,8 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
           logits_offset: bool = False, roles: dict[str, str] | None = None,
-          tokenizer: str | Path | None = None, cache_fp16: bool = True, bundle: str = "qnnpasses") -> dict[str, Any]:
+          tokenizer: str | Path | None = None, cache_fp16: bool = True, bundle: str = "qnnpasses",
+          keep_float: bool = False) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     ``model``: the export, or the Hugging Face / Optimum folder holding it.  ``roles``:
@@ -333,12 +335,14 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     :mod:`qnnpasses.llm.cache_dtype`); false keeps float32.  ``bundle``: ``genai`` writes the
     pair as onnxruntime-genai's model (:mod:`qnnpasses.llm.genai`: uint8 cache, plain logits),
     ``genie`` as a Genie bundle (:mod:`qnnpasses.llm.genie`: the same cache, Genie's inputs,
-    context binaries in their own files).
+    context binaries in their own files).  ``keep_float``: a quantized bundle keeps the float pair
+    its graphs were made from (``X.float.onnx``, every weight again in float32); by default it is
+    removed once the quantized pair has been checked against the export.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
-                         probe, logits_offset, cache_fp16, bundle)
+                         probe, logits_offset, cache_fp16, bundle, keep_float)
     model, out_dir = model_file(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
@@ -473,6 +477,7 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         release()
         report["quantized_verification"] = _verify(stage, manifest, model, options, tolerance=None)
         release()
+        report["quantization"]["float_pair"] = "kept" if options.keep_float else _drop_float_pair(stage, manifest)
     budgets = _part_budgets(stage, manifest, options)
     if budgets is not None:
         by_bytes = options.parts is None
@@ -522,6 +527,14 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if options.bundle == "genie":
         report["bundle"].update(_genie_configs(stage, manifest))
     return manifest, report
+
+
+def _drop_float_pair(stage: Path, manifest: dict[str, Any]) -> str:
+    """Remove the float graphs a quantized pair was made from: the device never loads them, and
+    they hold every weight again in float32 (most of a w4a16 bundle's bytes)."""
+    for graph in manifest["graphs"].values():
+        remove_model(stage / graph.pop("float_onnx"))
+    return "removed (--keep-float keeps it)"
 
 
 def _share_weights(stage: Path) -> dict[str, Any]:

@@ -60,7 +60,7 @@ in the last past slots, the first chunk padded at its start; :mod:`qnnpasses.llm
 the graphs take as inputs, roles ``position_cos`` / ``position_sin`` naming them (``position_ids``
 null) and ``attention_mask`` ``[1, S, P + S]`` the whole additive mask (:mod:`qnnpasses.llm.feed`);
 per part ``binaries`` -- the context binary files the compiled model references (every bundle);
-``tokenizer.adds_bos`` -- whether the tokenizer puts BOS before text; per graph ``float_onnx`` -- the float graph a quantized part was made from; ``session``:
+``tokenizer.adds_bos`` -- whether the tokenizer puts BOS before text; per graph ``float_onnx`` -- the float graph a quantized part was made from (built with ``--keep-float``); ``session``:
 ``{"graph_optimization": "disable_all"}`` -- the compiled models were made, and the graphs
 probed, with onnxruntime's graph optimizations off; a runner creating HTP sessions on the
 ``.onnx`` parts should do the same (onnxruntime otherwise fuses a part's first residual Add into
