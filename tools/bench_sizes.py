@@ -22,6 +22,7 @@ merged with earlier runs) and ``docs/bench_sizes.md``, written from the JSON.
     python tools/bench_sizes.py --shapes qwen2.5-0.5b                   # fp16, context 4096
     python tools/bench_sizes.py --shapes qwen2.5-0.5b --precision w4a16
     python tools/bench_sizes.py --shapes qwen2.5-0.5b --max-part-bytes 512M  # parts: less build memory
+    python tools/bench_sizes.py --shapes qwen2.5-0.5b --memory-limit 1.5   # in a cgroup of 1.5x the export
     python tools/bench_sizes.py --doc-only                              # rewrite the .md
 """
 
@@ -109,9 +110,56 @@ def weight_bytes_on_disk(onnx_path: Path) -> int:
 # --------------------------------------------------------------------------- build
 
 
+class MemoryCgroup:
+    """A memory cgroup (v2, or v1's memory controller) capping the build's child at ``limit`` bytes,
+    page cache included: the kernel drops clean pages of mapped weight files before it kills, so a
+    build that finishes inside it needed no more than ``limit`` of memory it could not give back.
+    No swap here (and v1's swap limit is set too), so nothing private escapes the count."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        root = Path("/sys/fs/cgroup")
+        v1 = root / "memory"
+        self.version = "v1" if (v1 / "memory.limit_in_bytes").exists() else "v2"
+        self.path = (v1 if self.version == "v1" else root) / f"qnnpasses-bench-{os.getpid()}"
+        try:
+            self.path.mkdir()
+            if self.version == "v1":
+                (self.path / "memory.limit_in_bytes").write_text(str(limit))
+                if (self.path / "memory.memsw.limit_in_bytes").exists():
+                    (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+            else:
+                (self.path / "memory.max").write_text(str(limit))
+                (self.path / "memory.swap.max").write_text("0")
+        except OSError as exc:
+            self.close()
+            raise SystemExit(f"bench_sizes: cannot make a memory cgroup at {self.path} ({exc.strerror}): "
+                             f"--memory-limit needs a writable cgroup file system (root)") from None
+
+    def enter(self) -> None:
+        """Called in the child before it runs the build (``preexec_fn``)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def figures(self) -> dict:
+        def read(name: str) -> str:
+            f = self.path / name
+            return f.read_text() if f.exists() else ""
+
+        events = read("memory.oom_control" if self.version == "v1" else "memory.events")
+        kills = next((int(line.split()[1]) for line in events.splitlines() if line.startswith("oom_kill ")), None)
+        peak = read("memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak").strip()
+        return {"limit_bytes": self.limit, "cgroup": self.version, "max_usage_bytes": int(peak) if peak else None,
+                "oom_kills": kills}
+
+    def close(self) -> None:
+        if self.path.exists():
+            self.path.rmdir()
+
+
 def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision: str,
-          compile_: bool, max_part_bytes: str | None = None) -> dict:
-    """Run ``qnnpasses llm`` in a child; wall time, the kernel's peak RSS of the child tree."""
+          compile_: bool, max_part_bytes: str | None = None, memory_limit: int | None = None) -> dict:
+    """Run ``qnnpasses llm`` in a child; wall time, the kernel's peak RSS of the child tree; with
+    ``memory_limit`` the child runs in a :class:`MemoryCgroup` of that many bytes."""
     command = [sys.executable, "-c", "import sys; from qnnpasses.cli import main; sys.exit(main())", "llm",
                str(onnx_path), "--out-dir", str(out_dir), "--context", str(context), "--prefill", str(prefill),
                "--precision", precision, "--format", "json"]
@@ -121,15 +169,23 @@ def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision:
         command += ["--max-part-bytes", max_part_bytes]
     if precision != "fp16":
         command += ["--calib", str(calibration(onnx_path))]
+    cgroup = MemoryCgroup(memory_limit) if memory_limit else None
     started = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    run = subprocess.run(command, capture_output=True, text=True)
-    wall = time.perf_counter() - started
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, preexec_fn=cgroup.enter if cgroup else None)
+        wall = time.perf_counter() - started
+        limited = cgroup.figures() if cgroup else None
+    finally:
+        if cgroup:
+            cgroup.close()
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     result = {"exit": run.returncode, "wall_seconds": round(wall, 1),
               "tree_resident_peak_bytes": peak if peak > before * 1024 else None}
+    if limited:
+        result["memory_limit"] = limited
     if run.returncode != 0:
-        result["error"] = (run.stderr.strip().splitlines() or ["?"])[-1]
+        result["error"] = (run.stderr.strip().splitlines() or [f"killed by signal {-run.returncode}"])[-1]
     return result
 
 
@@ -176,13 +232,17 @@ def check_figures(report: dict, manifest: dict) -> dict:
 
 
 def measure(shape: str, context: int, prefill: int, precision: str, compile_: bool, keep: Path | None,
-            max_part_bytes: str | None = None) -> dict:
+            max_part_bytes: str | None = None, limit_factor: float | None = None) -> dict:
     onnx_path, facts = export(shape)
     entry = {"shape": shape, "precision": precision, "context": context, "prefill": prefill, "compiled": compile_,
              "max_part_bytes": max_part_bytes, **facts, "export_bytes": weight_bytes_on_disk(onnx_path)}
+    limit = None
+    if limit_factor:
+        entry["memory_limit_factor"] = limit_factor
+        limit = int(limit_factor * entry["export_bytes"])
     with tempfile.TemporaryDirectory(prefix="bench_sizes.") as tmp:
         out_dir = keep or Path(tmp) / "bundle"
-        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_, max_part_bytes))
+        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_, max_part_bytes, limit))
         if entry["exit"] == 0:
             entry.update(bundle_figures(out_dir))
     return entry
@@ -193,7 +253,7 @@ def measure(shape: str, context: int, prefill: int, precision: str, compile_: bo
 
 def key(entry: dict) -> tuple:
     return (entry["shape"], entry["precision"], entry["context"], entry["prefill"], entry["compiled"],
-            entry.get("max_part_bytes") or "")
+            entry.get("max_part_bytes") or "", entry.get("memory_limit_factor") or 0)
 
 
 def merge(entries: list[dict]) -> dict:
@@ -202,6 +262,11 @@ def merge(entries: list[dict]) -> dict:
     doc["entries"] = [e for e in doc["entries"] if key(e) not in fresh] + list(fresh.values())
     doc["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
     return doc
+
+
+def unlimited(doc: dict) -> list[dict]:
+    """The entries built without ``--memory-limit`` (those go to :func:`limit_table` only)."""
+    return [e for e in sorted(doc["entries"], key=key) if not e.get("memory_limit_factor")]
 
 
 def gib(value) -> str:
@@ -220,7 +285,7 @@ def write_markdown(doc: dict) -> str:
              "| compile child private peak | resident peak | peak / export | bundle GiB | .onnx weights / params (fp32) | device GiB "
              "| device / params (fp16) | decode step reads |",
              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for e in sorted(doc["entries"], key=key):
+    for e in unlimited(doc):
         if e["exit"] != 0:
             lines.append(f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / "
                          f"{e['prefill']} | {'yes' if e['compiled'] else 'no'} | | {e['wall_seconds'] / 60:.1f} | "
@@ -242,15 +307,41 @@ def write_markdown(doc: dict) -> str:
             f"{gib(memory.get('compile_private_peak_bytes'))} | "
             f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
             f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
+    lines += limit_table(doc)
     lines += check_table(doc)
     lines += ceilings_table(doc)
     return "\n".join(lines) + "\n"
 
 
+def limit_table(doc: dict) -> list[str]:
+    """Builds run inside a memory cgroup (``--memory-limit``): whether they finished within it."""
+    limited = [e for e in sorted(doc["entries"], key=key) if e.get("memory_limit_factor")]
+    if not limited:
+        return []
+    lines = ["", "## Inside a memory limit", "",
+             "The build's child in a memory cgroup of the given multiple of the export's weight bytes, page cache "
+             "included (`--memory-limit`; no swap on this machine): the kernel drops clean pages of the mapped "
+             "weight files before it kills, so a build that finishes needed no more memory than the limit.  A page "
+             "is charged to the group that first read it: the export's pages cached by an earlier run count "
+             "elsewhere, what the build allocates and the files it writes count here.", "",
+             "| shape | precision | context / prefill | compiled | limit × export | limit GiB | outcome | cgroup peak "
+             "GiB | private peak | wall min |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|"]
+    for e in limited:
+        limit = e.get("memory_limit") or {}
+        kills = limit.get("oom_kills")
+        outcome = "finished" if e["exit"] == 0 else f"failed ({'killed for memory' if kills else e.get('error', '?')})"
+        lines.append(f"| {e['shape']} | {e['precision']} | {e['context']} / {e['prefill']} | "
+                     f"{'yes' if e['compiled'] else 'no'} | {e['memory_limit_factor']:g}× | "
+                     f"{gib(limit.get('limit_bytes'))} | {outcome} | {gib(limit.get('max_usage_bytes'))} | "
+                     f"{gib((e.get('memory') or {}).get('private_peak_bytes'))} | {e['wall_seconds'] / 60:.1f} |")
+    return lines
+
+
 def check_table(doc: dict) -> list[str]:
     """The build's CPU check at each size: the static pair against the export over a prompt of several
     prefill calls and then decode steps (a quantized pair's figures are recorded, not held to a bound)."""
-    built = [e for e in sorted(doc["entries"], key=key) if e["exit"] == 0 and e.get("check")]
+    built = [e for e in unlimited(doc) if e["exit"] == 0 and e.get("check")]
     if not built:
         return []
     lines = ["", "## The build's CPU check at this size", "",
@@ -281,8 +372,7 @@ def ceilings_table(doc: dict) -> list[str]:
     call its memory bandwidth allows for the bytes the bundle reads (qnnpasses.llm.footprint)."""
     from qnnpasses.llm.footprint import ceilings
 
-    built = [e for e in sorted(doc["entries"], key=key)
-             if e["exit"] == 0 and (e.get("device") or {}).get("decode_step_read_bytes")]
+    built = [e for e in unlimited(doc) if e["exit"] == 0 and (e.get("device") or {}).get("decode_step_read_bytes")]
     if not built:
         return []
     lines = ["", "## What the memory bandwidth allows on each Snapdragon", "",
@@ -310,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp16", "w8a16", "w4a16"), default="fp16")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--max-part-bytes", metavar="SIZE", help="passed on to qnnpasses llm (default: its own)")
+    parser.add_argument("--memory-limit", type=float, metavar="FACTOR",
+                        help="run the build in a memory cgroup of FACTOR x the export's weight bytes (root)")
     parser.add_argument("--keep", type=Path, help="write the bundle here instead of a temporary folder")
     parser.add_argument("--doc-only", action="store_true", help="rewrite docs/bench_sizes.md from the JSON")
     args = parser.parse_args(argv)
@@ -317,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         entries = []
         for shape in args.shapes:
             entry = measure(shape, args.context, args.prefill, args.precision, not args.no_compile, args.keep,
-                            args.max_part_bytes)
+                            args.max_part_bytes, args.memory_limit)
             print(json.dumps({k: v for k, v in entry.items() if k != "files"}), flush=True)
             entries.append(entry)
         DOC_JSON.write_text(json.dumps(merge(entries), indent=1) + "\n")
