@@ -538,8 +538,8 @@ def _drop_float_pair(stage: Path, manifest: dict[str, Any]) -> str:
 
 
 def _share_weights(stage: Path) -> dict[str, Any]:
-    """Every graph of the bundle (parts, float graphs of a quantized pair) reads its weights from
-    one file, :data:`WEIGHTS_FILE`, in which each distinct tensor is stored once."""
+    """Every graph of the bundle (parts, a quantized pair's float graphs kept by ``--keep-float``)
+    reads its weights from one file, :data:`WEIGHTS_FILE`, in which each distinct tensor is stored once."""
     from qnnpasses.ir.shared_data import share_external_data
 
     return share_external_data(sorted(stage.glob("*.onnx")), WEIGHTS_FILE).as_dict()

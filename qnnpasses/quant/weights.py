@@ -222,5 +222,3 @@ def _dequantized(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
     """``q·scale`` in float64, a block's scale repeated over its rows."""
     scales = scales.astype(np.float64)
     return q * (np.repeat(scales, block, axis=0) if block else scales)
-
-
