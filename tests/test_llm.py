@@ -304,6 +304,9 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
         for graph_name in ("prefill", "decode"):
             part = report["htp"][graph_name]["parts"][0]
             assert (part["ok"], part["qnn_partitions"], part["cpu_nodes"]) == (True, 1, 0), part
+            # compiled with the MatMuls after each RmsNorm compensated (qnnpasses.quant.norm_rounding)
+            assert part["norm_rounding_matmuls"] >= manifest["layers"], part
+    assert "compensated on the HTP" in manifest["session"]["norm_rounding"]
 
 
 def test_logits_offset_pair_gives_the_plain_pair_s_logits_plus_its_offset(built):

@@ -459,7 +459,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
         "graphs": graphs, "source_roles": _source_roles(roles, given),
         "sliding_window": _local_layers(report["graphs"]["decode"]["passes"]),
         # how the graphs were compiled and probed on the HTP (see qnnpasses.llm.compile)
-        "session": {"graph_optimization": "disable_all"},
+        "session": {"graph_optimization": "disable_all",
+                    **({} if options.precision == "fp16" else {"norm_rounding": NORM_ROUNDING})},
     }
     if text_dir is not None:
         manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
@@ -527,6 +528,11 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if options.bundle == "genie":
         report["bundle"].update(_genie_configs(stage, manifest))
     return manifest, report
+
+
+#: what a quantized pair's manifest says of the HTP's RmsNorm rounding (qnnpasses.quant.norm_rounding)
+NORM_ROUNDING = ("compensated on the HTP: each MatMul reading an RmsNorm output adds back half the norm's 16-bit step "
+                 "times its weight's column sums, in what is compiled (qnnpasses.quant.norm_rounding.htp_model)")
 
 
 def _drop_float_pair(stage: Path, manifest: dict[str, Any]) -> str:

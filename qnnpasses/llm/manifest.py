@@ -64,7 +64,10 @@ per part ``binaries`` -- the context binary files the compiled model references 
 ``{"graph_optimization": "disable_all"}`` -- the compiled models were made, and the graphs
 probed, with onnxruntime's graph optimizations off; a runner creating HTP sessions on the
 ``.onnx`` parts should do the same (onnxruntime otherwise fuses a part's first residual Add into
-a Gemm the HTP rejects).
+a Gemm the HTP rejects); a quantized pair's ``session.norm_rounding`` -- the ``.onnx`` parts
+compute what they say on any backend, and the HTP gets them through
+:func:`qnnpasses.quant.norm_rounding.htp_model` (the compiled models were made so; a runner
+compiling the parts itself should do the same).
 
 Paths in ``parts`` are relative to the manifest's folder.  With several parts, run them in
 order, feeding each part from a dict of every tensor produced so far (graph inputs and earlier

@@ -78,15 +78,22 @@ class Generation:
         return data
 
 
-def _htp_session(path: Path, *, fp16: bool, shared: bool, target: Any) -> Any:
+def _htp_session(path: Path, *, fp16: bool, shared: bool, target: Any, compiled: bool) -> Any:
     """A session on the HTP with the options ``qnnpasses llm`` compiled with: onnxruntime's graph
     optimizations off (its fusions would undo rewrites the HTP needs, e.g. the fp16-safe
-    RMSNorm), graph-boundary Q/DQ on the HTP for quantized graphs, no CPU fallback."""
+    RMSNorm), graph-boundary Q/DQ on the HTP for quantized graphs, no CPU fallback; a quantized
+    graph not yet compiled gets what compiling gives it (:mod:`qnnpasses.quant.norm_rounding`)."""
     from qnnpasses.backends.htp import htp_session
 
-    config = {"ep.share_ep_contexts": "1"} if shared else None
+    config = {"ep.share_ep_contexts": "1"} if shared else {}
     extra = None if fp16 else {"offload_graph_io_quantization": "0"}
-    return htp_session(path, fp16=fp16, disable_cpu_fallback=True, session_config=config, optimize=False,
+    model: Path | str | bytes = path
+    if not fp16 and not compiled:
+        from qnnpasses.quant.norm_rounding import htp_model
+
+        model, more, _ = htp_model(path)
+        config.update(more)
+    return htp_session(model, fp16=fp16, disable_cpu_fallback=True, session_config=config or None, optimize=False,
                        extra_options=extra, target=target)
 
 
@@ -120,8 +127,8 @@ class _Graph:
         """Create the sessions (on the HTP this prepares or loads the graphs: slow)."""
         for f in self.files[len(self.sessions):]:
             path = self.root / f
-            session = (_htp_session(path, fp16=self.fp16, shared=self.shared, target=self.target) if self.on == "htp"
-                       else _cpu_session(path))
+            session = (_htp_session(path, fp16=self.fp16, shared=self.shared, target=self.target, compiled=self.compiled)
+                       if self.on == "htp" else _cpu_session(path))
             self.sessions.append(session)
             self.outputs.append([o.name for o in session.get_outputs()])
 
