@@ -35,8 +35,9 @@ MAX_SAMPLES = 64
 #: quantized changes (2: outlier rewrites on both graphs at once, :mod:`qnnpasses.llm.outliers`; 3: 2-D Q/K/V;
 #: 4: decode's own activation ranges; 5: 16-bit lm_head; 6: its check allows GPTQ's moves; 7: 16-bit norm
 #: scales; a stream the rotation cannot pass into the weights is turned back after each norm instead; 8: the
-#: attention's MatMuls of two activations read their second operand in two 8-bit parts, qnnpasses.quant.split_operand)
-RECIPE = 8
+#: attention's MatMuls of two activations read their second operand in two 8-bit parts, qnnpasses.quant.split_operand;
+#: 9: what the HTP compiles gives back the half step its RmsNorm rounds away, qnnpasses.quant.norm_rounding)
+RECIPE = 9
 
 
 def load_token_sequences(path: str | Path, input_ids: str) -> np.ndarray:
