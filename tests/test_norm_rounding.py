@@ -84,3 +84,13 @@ def test_on_the_htp_the_matmul_after_the_norm_loses_its_bias(tmp_path):
         means[label] = float(((session.run(None, g.feeds)[0] - product) / step).mean())
     assert means["original"] < -0.5 * float((bias / step).mean()), means
     assert abs(means["compensated"]) < 0.5, means
+
+
+def test_the_doc_is_what_the_tool_writes():
+    import json
+
+    import probe_norm_rounding as tool
+
+    doc = json.loads(tool.DOC_JSON.read_text())
+    assert tool.render(doc) == tool.DOC_MD.read_text()
+    assert list(doc["runs"]) == list(tool.RUNS)
