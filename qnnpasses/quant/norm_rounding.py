@@ -10,7 +10,8 @@ it is what separates the w8a16 pair on the HTP from the same graphs on the CPU
 Matches, in a QDQ model: ``RMSNormalization`` whose output goes to one QuantizeLinear (per
 tensor, scale ``s``), then a DequantizeLinear read by a ``MatMul`` as its first operand, whose
 second operand is a constant weight ``W`` ``[K, N]`` behind a DequantizeLinear (per tensor, per
-output channel, or in blocks along ``K``), and whose output goes to one QuantizeLinear ``q_y``.
+output channel, or in blocks along ``K``; a stacked ``[..., K, N]`` per tensor), and whose output
+goes to one QuantizeLinear ``q_y``.
 Produces, after ``q_y`` (read where ``q_y`` was read)::
 
     y' = Q(DQ(q_y) + DQ(b)) at q_y's own encoding,   b = s/2 · Σ_k W[k, :]   (uint16 per tensor)
