@@ -32,7 +32,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -59,31 +58,28 @@ def build_pair(out: Path) -> Path:
 
 def norm_rounded_down(pair: Path, out: Path) -> Path:
     """A copy of ``pair`` whose graphs shift each RmsNorm output by -s/2 before its QuantizeLinear."""
+    from qnnpasses.ir.model import save_proto
+    from qnnpasses.quant.qdq_proto import index_graph
     shutil.copytree(pair, out, ignore=shutil.ignore_patterns("*.onnx", "*.data"))
     manifest = json.loads((pair / "llm.json").read_text())
     for graph in manifest["graphs"].values():
         for part in graph["parts"]:
             model = onnx.load(str(pair / part["onnx"]))
-            inits = {i.name: i for i in model.graph.initializer}
-            readers = defaultdict(list)
-            for node in model.graph.node:
-                for name in node.input:
-                    readers[name].append(node)
+            found = index_graph(model.graph)
             nodes = []
             for node in list(model.graph.node):
                 nodes.append(node)
                 if node.op_type != "RMSNormalization":
                     continue
-                for q in (r for r in readers[node.output[0]] if r.op_type == "QuantizeLinear"):
-                    step = float(numpy_helper.to_array(inits[q.input[1]]))
+                for q in (r for r in found.readers[node.output[0]] if r.op_type == "QuantizeLinear"):
+                    step = float(numpy_helper.to_array(found.inits[q.input[1]]))
                     shift, shifted = f"{q.output[0]}_down", f"{q.output[0]}_down_in"
                     model.graph.initializer.append(numpy_helper.from_array(np.array(-step / 2, np.float32), shift))
                     nodes.append(helper.make_node("Add", [node.output[0], shift], [shifted]))
                     q.input[0] = shifted
             del model.graph.node[:]
             model.graph.node.extend(nodes)
-            onnx.save(model, str(out / part["onnx"]), save_as_external_data=True,
-                      location=part["onnx"] + ".data")
+            save_proto(model, out / part["onnx"], external_data=True)
     return out
 
 
@@ -163,16 +159,15 @@ def render(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from probe_act_matmul import write_docs
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", type=Path, help="a w8a16 pair of Gemma 3 270M already built (default: build one)")
     parser.add_argument("--windows", type=int, default=8, help="evaluation windows (default 8)")
     parser.add_argument("--doc-only", action="store_true", help="rewrite docs/norm_rounding.md from the JSON")
     args = parser.parse_args(argv)
-    if not args.doc_only:
-        DOC_JSON.write_text(json.dumps(measure(args.pair, args.windows), indent=1) + "\n")
-    DOC_MD.write_text(render(json.loads(DOC_JSON.read_text())))
-    print(f"wrote {DOC_MD.relative_to(ROOT)}")
-    return 0
+    return write_docs(lambda: measure(args.pair, args.windows), render, DOC_JSON, DOC_MD,
+                      ["--doc-only"] if args.doc_only else [])
 
 
 if __name__ == "__main__":

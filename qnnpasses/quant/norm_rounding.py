@@ -33,6 +33,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qnnpasses.quant.qdq_proto import index_graph
+
 _U16 = 65535
 
 
@@ -40,41 +42,35 @@ def compensate_norm_rounding(model: onnx.ModelProto, base_dir: str | Path | None
     """Rewrite ``model`` in place (module docs); external weights are read from ``base_dir``.
     Returns how many MatMuls were compensated."""
     graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            readers[name].append(node)
-    outputs = {o.name for o in graph.output}
+    found = index_graph(graph)
     base = str(base_dir or "")
 
     def array(name: str) -> np.ndarray | None:
-        init = inits.get(name)
+        init = found.inits.get(name)
         return None if init is None else numpy_helper.to_array(init, base)
 
     after: dict[str, list[onnx.NodeProto]] = defaultdict(list)  # out_q's output -> nodes to insert after out_q
     for norm in graph.node:
         if norm.op_type != "RMSNormalization":
             continue
-        q = _only(readers[norm.output[0]], "QuantizeLinear")
+        q = found.only(norm.output[0], "QuantizeLinear")
         scale = array(q.input[1]) if q is not None else None
         if scale is None or scale.size != 1:
             continue
-        for dq in readers[q.output[0]]:
+        for dq in found.readers[q.output[0]]:
             if dq.op_type != "DequantizeLinear":
                 continue
-            for matmul in readers[dq.output[0]]:
+            for matmul in found.readers[dq.output[0]]:
                 if matmul.op_type != "MatMul" or matmul.input[0] != dq.output[0]:
                     continue
-                sums = _column_sums(producer.get(matmul.input[1]), array)
-                out_q = _only(readers[matmul.output[0]], "QuantizeLinear")
-                if sums is None or out_q is None or out_q.output[0] in outputs or len(out_q.input) < 3:
+                sums = _column_sums(found.producer.get(matmul.input[1]), array)
+                out_q = found.only(matmul.output[0], "QuantizeLinear")
+                if sums is None or out_q is None or out_q.output[0] in found.outputs or len(out_q.input) < 3:
                     continue
                 bias = float(scale) / 2 * sums
                 if not np.any(bias):
                     continue
-                after[out_q.output[0]] += _add_bias(graph, out_q, bias, readers)
+                after[out_q.output[0]] += _add_bias(graph, out_q, bias, found.readers)
     if after:
         nodes = list(graph.node)
         del graph.node[:]
@@ -82,10 +78,6 @@ def compensate_norm_rounding(model: onnx.ModelProto, base_dir: str | Path | None
             graph.node.append(node)
             graph.node.extend(after.get(node.output[0], ()) if node.op_type == "QuantizeLinear" else ())
     return sum(len(v) // 4 for v in after.values())
-
-
-def _only(nodes: list[onnx.NodeProto], op_type: str) -> onnx.NodeProto | None:
-    return nodes[0] if len(nodes) == 1 and nodes[0].op_type == op_type else None
 
 
 def _column_sums(dq: onnx.NodeProto | None, array) -> np.ndarray | None:
@@ -138,7 +130,6 @@ def _add_bias(graph: onnx.GraphProto, out_q: onnx.NodeProto, bias: np.ndarray,
                              name=f"{stem}_dq_b"),
             helper.make_node("Add", [f"{stem}_y", f"{stem}_bf"], [f"{stem}_sum"], name=f"{stem}_add"),
             helper.make_node("QuantizeLinear", [f"{stem}_sum", scale, zero_point], [fixed], name=f"{stem}_q")]
-
 
 
 #: onnxruntime reads the external weights of a model given as bytes from this folder.

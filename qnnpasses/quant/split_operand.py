@@ -29,13 +29,14 @@ tell is left alone.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from qnnpasses.quant.qdq_proto import index_graph
 
 
 @dataclass
@@ -70,13 +71,8 @@ def _depths(model: onnx.ModelProto) -> dict[str, int]:
 
 def find_matches(model: onnx.ModelProto) -> list[_Match]:
     """Every MatMul of two activations whose second operand is uint16 per tensor (module docs)."""
-    inits = {i.name: i for i in model.graph.initializer}
-    producer = {o: n for n in model.graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in model.graph.node:
-        for i in n.input:
-            readers[i].append(n)
-    outputs = {o.name for o in model.graph.output}
+    graph = index_graph(model.graph)
+    inits, producer = graph.inits, graph.producer
     depths: dict[str, int] | None = None
     found = []
     for node in model.graph.node:
@@ -88,15 +84,15 @@ def find_matches(model: onnx.ModelProto) -> list[_Match]:
         (a_scale, a_zero), (scale, zero) = [(_scalar(inits, d.input[1]), _scalar(inits, d.input[2])) for d in dqs]
         if any(x is None for x in (a_scale, a_zero, scale, zero)) or zero.dtype != np.uint16:
             continue
-        after = readers.get(node.output[0], [])
-        if len(after) != 1 or after[0].op_type != "QuantizeLinear" or node.output[0] in outputs:
+        out_q = graph.only(node.output[0], "QuantizeLinear")
+        if out_q is None or node.output[0] in graph.outputs:
             continue
         depths = _depths(model) if depths is None else depths
         if node.input[0] not in depths:
             continue
         top = float(np.iinfo(a_zero.dtype).max)
         a_peak = float(a_scale) * max(float(a_zero), top - float(a_zero))
-        found.append(_Match(node, node.input[1], float(scale), int(zero), a_peak, depths[node.input[0]], after[0]))
+        found.append(_Match(node, node.input[1], float(scale), int(zero), a_peak, depths[node.input[0]], out_q))
     return found
 
 
