@@ -334,6 +334,21 @@ def _not_graph_output(view: _NodeView, rule: Rule) -> str | None:
     return rule.get("reason") or "output 0 is a graph output"
 
 
+#: Rules that state a default of the QNN EP's provider options rather than a limit of the
+#: backend: a session that sets the option to the value given keeps the node on the HTP
+#: (``offload_graph_io_quantization=0`` makes the EP take the graph-boundary Q/DQ too).
+WAIVED_BY: dict[str, tuple[str, str]] = {
+    "not_graph_input": ("offload_graph_io_quantization", "0"),
+    "not_graph_output": ("offload_graph_io_quantization", "0"),
+}
+
+
+def waived_rules(provider_options: dict[str, str] | None) -> frozenset[str]:
+    """The rule kinds ``provider_options`` lift (:data:`WAIVED_BY`)."""
+    options = provider_options or {}
+    return frozenset(kind for kind, (key, value) in WAIVED_BY.items() if str(options.get(key)) == value)
+
+
 RULES: dict[str, RuleCheck] = {
     "einsum_matmul": _einsum_matmul,
     "axis_not_negative_inner": _axis_not_negative_inner,
@@ -379,13 +394,13 @@ def _when_holds(view: _NodeView, when: dict[str, Any] | None) -> bool:
     return True
 
 
-def _apply_rules(view: _NodeView, rules: Iterable[Rule]) -> list[str]:
+def _apply_rules(view: _NodeView, rules: Iterable[Rule], waived: frozenset[str] = frozenset()) -> list[str]:
     reasons = []
     for rule in rules:
         check = RULES.get(rule["check"])
         if check is None:
             raise ValueError(f"unknown rule kind {rule['check']!r} in the op-support table")
-        if not _when_holds(view, rule.get("when")):
+        if rule["check"] in waived or not _when_holds(view, rule.get("when")):
             continue
         reason = check(view, rule)
         if reason and reason not in reasons:
@@ -463,11 +478,13 @@ def _opset_note(entry: dict[str, Any], opset: int | None) -> str | None:
 
 
 def check_node(
-    node: gs.Node, table: dict[str, Any] | str = "htp", *, opset: int | None = None
+    node: gs.Node, table: dict[str, Any] | str = "htp", *, opset: int | None = None,
+    provider_options: dict[str, str] | None = None,
 ) -> NodeSupport:
     """Whether ``node`` is predicted to run on the backend of ``table``.
 
-    ``opset`` is the model's opset for the node's domain (``graph.opset``), if known.
+    ``opset`` is the model's opset for the node's domain (``graph.opset``), if known;
+    ``provider_options`` the QNN EP options of the session that will run it (:data:`WAIVED_BY`).
     """
     if isinstance(table, str):
         table = load_table(table)
@@ -493,7 +510,8 @@ def check_node(
     reasons += _check_dtypes(view, entry)
     reasons += _check_rank(view, entry.get("max_rank", table.get("global", {}).get("max_rank")),
                            entry.get("max_rank_by_dtype", {}))
-    reasons += _apply_rules(view, [*table.get("global", {}).get("rules", []), *entry.get("rules", [])])
+    reasons += _apply_rules(view, [*table.get("global", {}).get("rules", []), *entry.get("rules", [])],
+                            waived_rules(provider_options))
     result.qnn_op = (entry.get("qnn_ops") or [None])[0]
     result.notes.extend(n for n in _conditional_notes(view, entry, table) if n not in result.notes)
     return _reject(result, reasons) if reasons else result
@@ -546,12 +564,14 @@ def _reject(result: NodeSupport, reasons: list[str]) -> NodeSupport:
     return result
 
 
-def check_graph(graph: gs.Graph, table: dict[str, Any] | str = "htp") -> list[NodeSupport]:
+def check_graph(graph: gs.Graph, table: dict[str, Any] | str = "htp", *,
+                provider_options: dict[str, str] | None = None) -> list[NodeSupport]:
     """:func:`check_node` for every node, in graph order."""
     if isinstance(table, str):
         table = load_table(table)
     opset = getattr(graph, "opset", None)
-    return [check_node(node, table, opset=opset if not node.domain or node.domain == "ai.onnx" else None)
+    return [check_node(node, table, opset=opset if not node.domain or node.domain == "ai.onnx" else None,
+                       provider_options=provider_options)
             for node in graph.nodes]
 
 

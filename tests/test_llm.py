@@ -309,6 +309,42 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
     assert "compensated on the HTP" in manifest["session"]["norm_rounding"]
 
 
+def test_quantized_parts_pass_quantized_tensors_and_compute_the_whole(built, tmp_path):
+    """A w8a16 pair split into parts: the cut never falls inside a Q/DQ pair (what crosses is the
+    16-bit tensor between a QuantizeLinear and its DequantizeLinear, or a bool mask), every part is
+    one HTP partition with no CPU node in the session the pair runs in, and the parts chained
+    compute exactly what the unsplit pair computes: on the CPU to float32 rounding, on the HTP
+    the same logits bit for bit."""
+    from qnnpasses.llm.runner import Runner
+
+    calib = tmp_path / "tokens.npz"
+    np.savez(calib, input_ids=np.random.default_rng(4).integers(0, 256, (4, 40)))
+    whole = built("llama_gqa_kv_dyn_ts", precision="w8a16", calib=str(calib), compile=HTP, probe=HTP)
+    split = built("llama_gqa_kv_dyn_ts", precision="w8a16", calib=str(calib), parts=2, compile=HTP, probe=HTP)
+    report = json.loads((manifest_dir(split) / "report.json").read_text())
+    assert report["parts_verification"]["ok"] and report["parts_verification"]["against"] == "the unsplit pair"
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
+    for graph_name, graph in split["graphs"].items():
+        assert len(graph["parts"]) == 2
+        first, second = graph["parts"]
+        part0 = onnx.load(str(manifest_dir(split) / first["onnx"]), load_external_data=False)
+        types = {o.name: o.type.tensor_type.elem_type for o in part0.graph.output}
+        crossing = set(second["inputs"]) - set(graph["io"])
+        assert crossing and not [n for n in crossing if types[n] in floats], crossing
+        if HTP:
+            for part in report["htp"][graph_name]["parts"]:
+                assert (part["qnn_partitions"], part["cpu_nodes"]) == (1, 0), part
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, split["vocab"], 21)]
+    for on in ("cpu", "htp") if HTP else ("cpu",):
+        got = []
+        for pair in (whole, split):
+            runner = Runner(manifest_dir(pair), on=on)
+            logits, _ = runner.feed(prompt)
+            got.append(np.concatenate([logits.ravel(), runner.step("decode", [7]).ravel()]))
+        tolerance = 1e-5 if on == "cpu" else 0.0
+        np.testing.assert_allclose(got[1], got[0], atol=tolerance, rtol=0, err_msg=on)
+
+
 def test_logits_offset_pair_gives_the_plain_pair_s_logits_plus_its_offset(built):
     """``--logits-offset``: the offset output named by the manifest, the spec records the pass; its
     logits plus its offset are the plain (default) pair's logits (CPU, float32 rounding) and

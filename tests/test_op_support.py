@@ -169,6 +169,25 @@ def test_rules_learned_from_node_test_verdicts():
     assert not check_node(fmod).supported
 
 
+def test_graph_boundary_qdq_stays_on_the_htp_when_the_session_keeps_it_there():
+    """The table's 'Q of a graph input / DQ of a graph output run on the CPU' rules are the EP's
+    default (offload_graph_io_quantization=1), lifted for a session that sets it to 0."""
+    x = gs.Variable("x", np.float32, [1, 8])
+    scale, zero = gs.Constant("s", np.array(0.01, np.float32)), gs.Constant("z", np.array(0, np.uint16))
+    q, dq, r, q2, y = (gs.Variable(n, t, [1, 8]) for n, t in
+                       (("q", np.uint16), ("dq", np.float32), ("r", np.float32), ("q2", np.uint16), ("y", np.float32)))
+    nodes = [gs.Node("QuantizeLinear", "q_in", inputs=[x, scale, zero], outputs=[q]),
+             gs.Node("DequantizeLinear", "dq_in", inputs=[q, scale, zero], outputs=[dq]),
+             gs.Node("Relu", "relu", inputs=[dq], outputs=[r]),
+             gs.Node("QuantizeLinear", "q_out", inputs=[r, scale, zero], outputs=[q2]),
+             gs.Node("DequantizeLinear", "dq_out", inputs=[q2, scale, zero], outputs=[y])]
+    graph = gs.Graph(nodes=nodes, inputs=[x], outputs=[y], opset=21)
+    default = {r.name: r.supported for r in check_graph(graph)}
+    assert default == {"q_in": False, "dq_in": True, "relu": True, "q_out": True, "dq_out": False}
+    kept = check_graph(graph, provider_options={"offload_graph_io_quantization": "0"})
+    assert all(r.supported for r in kept), [(r.name, r.reasons) for r in kept]
+
+
 def test_parse_ep_log_attributes_backend_error_to_node():
     log = [
         "2026-01-01 00:00:00.1 [V:onnxruntime:Default, qnn_backend_manager.cc:519 QnnLogging]  <E> [4294967295] has incorrect Rank 6.\n",

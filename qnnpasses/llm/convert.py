@@ -487,16 +487,18 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
                            "default": by_bytes and options.max_part_bytes is None}
         for name in spec:
             ir = load_model(stage / manifest["graphs"][name]["parts"][0]["onnx"])
-            entries = _split(stage, ir, name, manifest["graphs"][name], options.parts, budgets[name])
+            entries = _split(stage, ir, name, manifest["graphs"][name], options.parts, budgets[name],
+                             quantized=options.precision != "fp16")
             manifest["graphs"][name]["parts"] = entries
             del ir
             release()
-        if foreign:  # the 8-bit pair is measured, not bounded: its parts must measure what it measured
+        # a quantized or 8-bit-cache pair is measured, not bounded: its parts must measure what it measured
+        whole = report.get("quantized_verification") or report.get("bundle_verification")
+        if whole is not None:
             report["parts_verification"] = _same_as_whole(_verify(stage, manifest, model, options, tolerance=None),
-                                                          report["bundle_verification"])
+                                                          whole)
         else:
-            report["parts_verification"] = _verify(stage, manifest, model, options,
-                                                   tolerance=CPU_TOLERANCE if options.precision == "fp16" else None)
+            report["parts_verification"] = _verify(stage, manifest, model, options, tolerance=CPU_TOLERANCE)
     report["weights_file"] = _share_weights(stage)
     from qnnpasses.backends.htp import htp_available
     from qnnpasses.llm.report import graph_facts
@@ -660,11 +662,14 @@ def _part_budgets(stage: Path, manifest: dict[str, Any], options: LlmOptions) ->
 
 
 def _split(stage: Path, ir: IRModel, name: str, manifest_graph: dict[str, Any], parts: int | None,
-           max_part_bytes: int | None) -> list[dict[str, Any]]:
+           max_part_bytes: int | None, quantized: bool = False) -> list[dict[str, Any]]:
+    from qnnpasses.llm.compile import INT_OPTIONS
     from qnnpasses.llm.split import write_parts
 
     stream = manifest_graph["roles"]["input_ids"]
-    entries = write_parts(ir, stage, name, stream, parts=parts, max_part_bytes=max_part_bytes)
+    # a quantized part runs as the pair does: the graph-boundary Q/DQ on the HTP too
+    entries = write_parts(ir, stage, name, stream, parts=parts, max_part_bytes=max_part_bytes,
+                          provider_options=INT_OPTIONS if quantized else None)
     for whole in (stage / f"{name}.onnx", stage / f"{name}.onnx.data"):
         whole.unlink(missing_ok=True)
     return entries

@@ -38,6 +38,8 @@ class PartitionOptions:
     max_part_bytes: int = 2 * GIB          # 0 disables splitting
     cost: CostModel = field(default_factory=CostModel)
     keep_islands: bool = False
+    #: the QNN EP options of the session that will run the plan (some table rules are its defaults)
+    provider_options: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -51,7 +53,7 @@ def make_plan(ir: IRModel, options: PartitionOptions | None = None, *, placement
     options = options or PartitionOptions()
     ng = node_graph or build_node_graph(ir)
     assignment = assign(ng, placement=placement, cpu_ops=options.cpu_ops, cpu_nodes=options.cpu_nodes,
-                        table=options.backend)
+                        table=options.backend, provider_options=options.provider_options)
     plan = Plan(str(ir.path) if ir.path else None, options.backend, assignment.source, [],
                 options=options.to_dict(), notes=list(assignment.notes))
     groups = _demote_islands(ng, assignment, options, plan)

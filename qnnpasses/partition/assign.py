@@ -26,11 +26,13 @@ class Assignment:
     notes: list[str] = field(default_factory=list)
 
 
-def assign(ng: NodeGraph, *, placement=None, cpu_ops=(), cpu_nodes=(), table: str = "htp") -> Assignment:
-    """Backend per (non-constant) node; ``placement`` is a :class:`qnnpasses.backends.htp.Placement`."""
+def assign(ng: NodeGraph, *, placement=None, cpu_ops=(), cpu_nodes=(), table: str = "htp",
+           provider_options: dict[str, str] | None = None) -> Assignment:
+    """Backend per (non-constant) node; ``placement`` is a :class:`qnnpasses.backends.htp.Placement`;
+    ``provider_options`` those of the session that will run the graph."""
     from qnnpasses.op_support.checker import check_graph
 
-    results = check_graph(ng.ir.graph, table)
+    results = check_graph(ng.ir.graph, table, provider_options=provider_options)
     result = Assignment({}, source="real" if placement is not None else "table")
     for index in ng.dag.nodes:
         verdict = results[index]
