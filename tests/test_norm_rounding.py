@@ -94,3 +94,21 @@ def test_the_doc_is_what_the_tool_writes():
     doc = json.loads(tool.DOC_JSON.read_text())
     assert tool.render(doc) == tool.DOC_MD.read_text()
     assert list(doc["runs"]) == list(tool.RUNS)
+
+
+@requires_htp
+def test_compiling_a_quantized_model_gives_the_htp_the_compensated_graph(tmp_path):
+    """``qnnpasses compile`` (and the quantize evaluation's HTP session) compile a QDQ model as the
+    llm path does: the context binary computes the MatMul after the norm within half a step of the
+    exact result on average, and the compile says how many MatMuls it compensated."""
+    from qnnpasses.handoff.epcontext import compile_model, timed_load
+
+    g, out, product, _ = _norm_then_matmul(np.random.default_rng(0))
+    path = tmp_path / "model.onnx"
+    onnx.save(g.model(out), str(path))
+    compiled = compile_model(path, tmp_path / "model_ctx.onnx", fp16=False)
+    assert compiled["ok"] and compiled["norm_rounding_matmuls"] == 1, compiled
+    loaded, outputs = timed_load(tmp_path / "model_ctx.onnx", g.feeds, fp16=False)
+    assert loaded["ok"], loaded
+    step = probe._encoding(product, 16)[0]
+    assert abs(float(((outputs[out] - product) / step).mean())) < 0.5

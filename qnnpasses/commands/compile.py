@@ -3,7 +3,10 @@
 The output holds the HTP context binary (embedded below 2 GB of weights, else in
 ``<name>_qnn.bin`` beside it).  It is then loaded in a fresh process and checked against
 the original's fp32 CPU outputs (fp16: cosine >= 0.999), and the load time is compared
-with creating a session from the ONNX graph (each measured in a fresh process).
+with creating a session from the ONNX graph (each measured in a fresh process).  In integer
+mode (``--qdq``) the HTP is given the QDQ graph with each MatMul after an RmsNorm compensated
+for the backend's one-way rounding (:mod:`qnnpasses.quant.norm_rounding`), as ``qnnpasses llm``
+compiles its quantized pairs.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ def render_text(report: dict) -> str:
     if report.get("calibration_samples"):
         lines.append(f"  quantized (QDQ) with {report['calibration_samples']} calibration sample(s) from "
                      f"{report['calibrated_on']}")
+    if report["compile"].get("norm_rounding_matmuls"):
+        lines.append(f"  {report['compile']['norm_rounding_matmuls']} MatMul(s) after an RmsNorm given back the half "
+                     "step the HTP's RmsNorm rounds away (qnnpasses.quant.norm_rounding)")
     if c.get("other_op_types"):
         lines.append(f"  not compiled for the HTP (CPU): {', '.join(c['other_op_types'])}")
     for name, d in report.get("accuracy", {}).items():

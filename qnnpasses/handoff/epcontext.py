@@ -36,10 +36,17 @@ EMBED_LIMIT_BYTES = 2_000_000_000
 # --------------------------------------------------------------------------- child side
 
 
-def _session(model: str, *, fp16: bool, config: dict[str, str] | None = None):
+def _session(model: str, *, fp16: bool, config: dict[str, str] | None = None) -> tuple[Any, int | None]:
+    """The session, and in integer mode how many MatMuls the RmsNorm compensation changed
+    (:func:`qnnpasses.quant.norm_rounding.htp_model`: what the HTP is given is compensated)."""
     from qnnpasses.backends.htp import htp_session
 
-    return htp_session(model, fp16=fp16, session_config=config)
+    if fp16:
+        return htp_session(model, fp16=True, session_config=config), None
+    from qnnpasses.quant.norm_rounding import htp_model
+
+    source, more, count = htp_model(model)
+    return htp_session(source, fp16=False, session_config={**(config or {}), **more} or None), count
 
 
 def _child(argv: list[str] | None = None) -> int:
@@ -59,8 +66,10 @@ def _child(argv: list[str] | None = None) -> int:
         if args.mode == "compile":
             config = {"ep.context_enable": "1", "ep.context_file_path": args.out, "ep.context_embed_mode": args.embed}
         start = time.perf_counter()
-        sess = _session(args.model, fp16=args.fp16, config=config)
+        sess, compensated = _session(args.model, fp16=args.fp16, config=config)
         result["session_seconds"] = time.perf_counter() - start
+        if compensated is not None:
+            result["norm_rounding_matmuls"] = compensated
         if args.inputs:
             with np.load(args.inputs) as data:
                 feeds = {k: data[k] for k in data.files}

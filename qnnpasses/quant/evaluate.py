@@ -68,17 +68,20 @@ class Evaluation:
 
 
 def htp_int_session(model: str | os.PathLike, *, profile_dir: str | None = None):
-    """A QNN HTP session for a QDQ model in integer precision (profiled when ``profile_dir`` is given)."""
+    """A QNN HTP session for a QDQ model in integer precision (profiled when ``profile_dir`` is given),
+    the model as compiling gives it to the HTP (:func:`qnnpasses.quant.norm_rounding.htp_model`)."""
     import onnxruntime as ort
 
     from qnnpasses.backends.htp import htp_session
+    from qnnpasses.quant.norm_rounding import htp_model
 
     if not os.environ.get("QNNPASSES_DEBUG"):
         ort.set_default_logger_severity(3)  # the EP's per-session warnings say nothing about the model
     kw: dict[str, Any] = {}
     if profile_dir is not None:
         kw = {"profiling": True, "profile_prefix": os.path.join(profile_dir, "profile")}
-    return htp_session(os.fspath(model), fp16=False, extra_options=HTP_INT_OPTIONS, **kw)
+    source, config, _ = htp_model(model)
+    return htp_session(source, fp16=False, extra_options=HTP_INT_OPTIONS, session_config=config or None, **kw)
 
 
 def next_token_nll(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:

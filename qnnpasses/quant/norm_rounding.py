@@ -21,7 +21,8 @@ Why it is right on the HTP: the HTP hands the MatMul ``x - e`` with ``e`` in ``[
 on every row; ``b`` cancels that mean and leaves zero-mean noise, as rounding to nearest would
 (``tests/test_norm_rounding.py`` measures both on the simulated HTP).  On a backend that rounds
 to nearest, onnxruntime's CPU among them, ``b`` is itself the error: apply this only to the graphs
-the HTP runs.
+the HTP runs.  :func:`htp_model` is what every integer-mode path hands the HTP: ``qnnpasses llm``'s
+compile and runner, ``qnnpasses compile --qdq`` and the HTP evaluation of ``qnnpasses quantize``.
 """
 
 from __future__ import annotations
