@@ -249,6 +249,10 @@ def test_parts_chain_to_the_same_logits(built):
     (["llama_gqa_kv_dyn_dynamo", "--context", "256", "--prefill", "16"], "fixes the new-token count at 1"),
     (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--max-part-bytes", "lots"],
      "--max-part-bytes expects a size"),
+    (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--int4-blocks", "none"],
+     "--int4-blocks is for --precision w4a16"),
+    (["llama_gqa_kv_dyn_ts", "--context", "256", "--prefill", "16", "--precision", "w4a16", "--calib", "x.npz",
+      "--int4-blocks", "24"], "--int4-blocks must be a power of two"),
     # learned positions: GPT-2's wpe has 64 rows here, position 64 does not exist
     (["gpt2_kv_dyn_ts", "--context", "65", "--prefill", "8"], "a table of 64 rows ('model.transformer.wpe.weight')"),
 ])
@@ -307,6 +311,29 @@ def test_w8a16_pair_shares_the_kv_encodings(built, tmp_path):
             # compiled with the MatMuls after each RmsNorm compensated (qnnpasses.quant.norm_rounding)
             assert part["norm_rounding_matmuls"] >= manifest["layers"], part
     assert "compensated on the HTP" in manifest["session"]["norm_rounding"]
+
+
+def test_int4_blocks_none_gives_one_scale_per_output_channel(built, tmp_path):
+    """``--int4-blocks none``: every int4 weight of the w4a16 pair has one scale per output channel
+    (no block_size), the report says so; a compile that fails to allocate with blocked weights
+    names the option (the prefill at context 4096 / prefill 128 does: docs/bench_sizes.md)."""
+    from qnnpasses.llm.convert import _int4_blocks_hint
+
+    calib = tmp_path / "tokens.npz"
+    np.savez(calib, input_ids=np.random.default_rng(4).integers(0, 256, (4, 40)))
+    manifest = built("llama_gqa_kv_dyn_ts", precision="w4a16", calib=str(calib), int4_blocks=0, compile=False,
+                     probe=False)
+    report = json.loads((manifest_dir(manifest) / "report.json").read_text())
+    assert report["quantization"]["int4_block_rows"] == "per channel"
+    for graph_name in ("prefill", "decode"):
+        model = onnx.load(str(part_paths(manifest, graph_name, compiled=False)[0]), load_external_data=False)
+        inits = {i.name: i.data_type for i in model.graph.initializer}
+        int4 = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) == onnx.TensorProto.INT4]
+        assert int4 and not [n.name for n in int4 if any(a.name == "block_size" for a in n.attribute)]
+    error = "compiling prefill.onnx for the HTP failed: ... QNN_COMMON_ERROR_MEM_ALLOC: Memory allocation related error."
+    assert "--int4-blocks none" in _int4_blocks_hint(error, {"quantization": {"int4_block_rows": 32}})
+    assert _int4_blocks_hint(error, {"quantization": {"int4_block_rows": "per channel"}}) == ""
+    assert _int4_blocks_hint("other failure", {"quantization": {"int4_block_rows": 32}}) == ""
 
 
 def test_quantized_parts_pass_quantized_tensors_and_compute_the_whole(built, tmp_path):

@@ -157,7 +157,8 @@ class MemoryCgroup:
 
 
 def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision: str,
-          compile_: bool, max_part_bytes: str | None = None, memory_limit: int | None = None) -> dict:
+          compile_: bool, max_part_bytes: str | None = None, memory_limit: int | None = None,
+          int4_blocks: str | None = None) -> dict:
     """Run ``qnnpasses llm`` in a child; wall time, the kernel's peak RSS of the child tree; with
     ``memory_limit`` the child runs in a :class:`MemoryCgroup` of that many bytes."""
     command = [sys.executable, "-c", "import sys; from qnnpasses.cli import main; sys.exit(main())", "llm",
@@ -167,6 +168,8 @@ def build(onnx_path: Path, out_dir: Path, context: int, prefill: int, precision:
         command.append("--no-compile")
     if max_part_bytes:
         command += ["--max-part-bytes", max_part_bytes]
+    if int4_blocks:
+        command += ["--int4-blocks", int4_blocks]
     if precision != "fp16":
         command += ["--calib", str(calibration(onnx_path))]
     cgroup = MemoryCgroup(memory_limit) if memory_limit else None
@@ -232,17 +235,19 @@ def check_figures(report: dict, manifest: dict) -> dict:
 
 
 def measure(shape: str, context: int, prefill: int, precision: str, compile_: bool, keep: Path | None,
-            max_part_bytes: str | None = None, limit_factor: float | None = None) -> dict:
+            max_part_bytes: str | None = None, limit_factor: float | None = None, int4_blocks: str | None = None) -> dict:
     onnx_path, facts = export(shape)
     entry = {"shape": shape, "precision": precision, "context": context, "prefill": prefill, "compiled": compile_,
-             "max_part_bytes": max_part_bytes, **facts, "export_bytes": weight_bytes_on_disk(onnx_path)}
+             "max_part_bytes": max_part_bytes, **({"int4_blocks": int4_blocks} if int4_blocks else {}), **facts,
+             "export_bytes": weight_bytes_on_disk(onnx_path)}
     limit = None
     if limit_factor:
         entry["memory_limit_factor"] = limit_factor
         limit = int(limit_factor * entry["export_bytes"])
     with tempfile.TemporaryDirectory(prefix="bench_sizes.") as tmp:
         out_dir = keep or Path(tmp) / "bundle"
-        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_, max_part_bytes, limit))
+        entry.update(build(onnx_path, out_dir, context, prefill, precision, compile_, max_part_bytes, limit,
+                           int4_blocks))
         if entry["exit"] == 0:
             entry.update(bundle_figures(out_dir))
     return entry
@@ -253,7 +258,15 @@ def measure(shape: str, context: int, prefill: int, precision: str, compile_: bo
 
 def key(entry: dict) -> tuple:
     return (entry["shape"], entry["precision"], entry["context"], entry["prefill"], entry["compiled"],
-            entry.get("max_part_bytes") or "", entry.get("memory_limit_factor") or 0)
+            entry.get("max_part_bytes") or "", entry.get("memory_limit_factor") or 0, entry.get("int4_blocks") or "")
+
+
+def precision(entry: dict) -> str:
+    """The precision as the tables show it: ``--int4-blocks`` other than the default named."""
+    blocks = entry.get("int4_blocks")
+    if not blocks:
+        return entry["precision"]
+    return f"{entry['precision']} (int4 {'per channel' if blocks == 'none' else 'blocks of ' + blocks})"
 
 
 def merge(entries: list[dict]) -> dict:
@@ -287,7 +300,7 @@ def write_markdown(doc: dict) -> str:
              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in unlimited(doc):
         if e["exit"] != 0:
-            lines.append(f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / "
+            lines.append(f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {precision(e)} | {e['context']} / "
                          f"{e['prefill']} | {'yes' if e['compiled'] else 'no'} | | {e['wall_seconds'] / 60:.1f} | "
                          f"{gib(e['export_bytes'])} | failed: {e.get('error', '?')} | | | | | | | | | |")
             continue
@@ -300,7 +313,7 @@ def write_markdown(doc: dict) -> str:
         held = device.get("device_bytes")
         device_ratio = f"{held / params_fp16:.2f}×" if held else "-"
         lines.append(
-            f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {e['precision']} | {e['context']} / {e['prefill']} | "
+            f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {precision(e)} | {e['context']} / {e['prefill']} | "
             f"{'yes' if e['compiled'] else 'no'} | {max(parts.values()) if parts else '-'}"
             f"{' (≤ ' + e['max_part_bytes'] + ')' if e.get('max_part_bytes') else ''} | "
             f"{e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
@@ -331,7 +344,7 @@ def limit_table(doc: dict) -> list[str]:
         limit = e.get("memory_limit") or {}
         kills = limit.get("oom_kills")
         outcome = "finished" if e["exit"] == 0 else f"failed ({'killed for memory' if kills else e.get('error', '?')})"
-        lines.append(f"| {e['shape']} | {e['precision']} | {e['context']} / {e['prefill']} | "
+        lines.append(f"| {e['shape']} | {precision(e)} | {e['context']} / {e['prefill']} | "
                      f"{'yes' if e['compiled'] else 'no'} | {e['memory_limit_factor']:g}× | "
                      f"{gib(limit.get('limit_bytes'))} | {outcome} | {gib(limit.get('max_usage_bytes'))} | "
                      f"{gib((e.get('memory') or {}).get('private_peak_bytes'))} | {e['wall_seconds'] / 60:.1f} |")
@@ -354,14 +367,14 @@ def check_table(doc: dict) -> list[str]:
              "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for e in built:
         parts = max((e.get("parts") or {"": 1}).values())
-        for kind, label in (("verification", "float"), ("quantized_verification", e["precision"])):
+        for kind, label in (("verification", "float"), ("quantized_verification", precision(e))):
             c = e["check"].get(kind)
             if not c:
                 continue
             bounds = c.get("bounds") or {}
             cell = (lambda k: f"{c[k + '_max_abs']:.2g}" + (f" ({bounds[k]:.2g})" if k in bounds else ""))
             ok = {True: "yes", False: "no", None: "recorded"}[c.get("ok")]
-            lines.append(f"| {e['shape']} | {e['precision']} | {parts} | {label} | {c['prompt_tokens']} "
+            lines.append(f"| {e['shape']} | {precision(e)} | {parts} | {label} | {c['prompt_tokens']} "
                          f"({c['prefill_calls']}) | {c['new_tokens'] - 1} | {cell('logits')} | {cell('kv')} | "
                          f"{c['top1'] * 100:.1f}% | {ok} |")
     return lines
@@ -388,7 +401,7 @@ def ceilings_table(doc: dict) -> list[str]:
         cells = [f"{r['decode_tokens_per_second']:.1f} tok/s" + (f", prefill ≥ {r['prefill_call_seconds'] * 1e3:.0f} ms"
                                                                   if prefill else "") for r in rows]
         parts = max((e.get("parts") or {"": 1}).values())
-        lines.append(f"| {e['shape']} | {e['precision']} | {parts} | " + " | ".join(cells) + " |")
+        lines.append(f"| {e['shape']} | {precision(e)} | {parts} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -402,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-part-bytes", metavar="SIZE", help="passed on to qnnpasses llm (default: its own)")
     parser.add_argument("--memory-limit", type=float, metavar="FACTOR",
                         help="run the build in a memory cgroup of FACTOR x the export's weight bytes (root)")
+    parser.add_argument("--int4-blocks", metavar="B|none", help="passed on to qnnpasses llm (w4a16; default: its own)")
     parser.add_argument("--keep", type=Path, help="write the bundle here instead of a temporary folder")
     parser.add_argument("--doc-only", action="store_true", help="rewrite docs/bench_sizes.md from the JSON")
     args = parser.parse_args(argv)
@@ -409,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         entries = []
         for shape in args.shapes:
             entry = measure(shape, args.context, args.prefill, args.precision, not args.no_compile, args.keep,
-                            args.max_part_bytes, args.memory_limit)
+                            args.max_part_bytes, args.memory_limit, args.int4_blocks)
             print(json.dumps({k: v for k, v in entry.items() if k != "files"}), flush=True)
             entries.append(entry)
         DOC_JSON.write_text(json.dumps(merge(entries), indent=1) + "\n")

@@ -42,6 +42,10 @@ def register(subparsers) -> None:
                        help="split each graph into parts of at most SIZE bytes on the HTP (weights in its dtype + "
                             "peak activations; e.g. 1G). Default: 2G, splitting only the graphs larger than that "
                             "(the HTP's 4 GiB address space holds a context and its buffers)")
+    p.add_argument("--int4-blocks", dest="int4_blocks", type=_int4_blocks, metavar="B|none",
+                   help="w4a16: one int4 weight scale per B input rows of each output channel (default 32, the most "
+                        "accurate measured), or 'none': one per output channel (what the HTP prepares at long "
+                        "contexts: docs/bench_sizes.md)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
     p.add_argument("--keep-float", dest="keep_float", action="store_true",
                    help="w8a16|w4a16: keep the float pair the quantized graphs were made from (X.float.onnx) in "
@@ -64,6 +68,18 @@ def register(subparsers) -> None:
                         "take Genie's inputs)")
     add_format_arg(p)
     p.set_defaults(func=main)
+
+
+def _int4_blocks(text: str) -> int:
+    """``--int4-blocks``: a number of rows, or ``none`` (0: per output channel)."""
+    import argparse
+
+    if text.strip().lower() == "none":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows or 'none', got '{text}'") from None
 
 
 def parse_roles(text: str | None) -> dict[str, str]:
@@ -91,7 +107,7 @@ def main(args) -> int:
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=max_part_bytes, compile=args.compile,
                      logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer,
-                     bundle=args.bundle, keep_float=args.keep_float)
+                     bundle=args.bundle, keep_float=args.keep_float, int4_blocks=args.int4_blocks)
     if args.format == "json":
         print(json.dumps(manifest, indent=2))
         return 0

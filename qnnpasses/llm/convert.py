@@ -138,6 +138,8 @@ class LlmOptions:
     cache_fp16: bool = True
     bundle: str = "qnnpasses"
     keep_float: bool = False
+    #: w4a16: input rows per int4 scale (0: one scale per output channel); None: the precision's own (32)
+    int4_blocks: int | None = None
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -152,6 +154,11 @@ def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
         raise BadInputError(f"--prefill must be at least 1 (got {options.prefill})")
     if options.prefill >= options.context:
         raise BadInputError(f"--prefill {options.prefill} must be smaller than --context {options.context}")
+    if options.int4_blocks is not None:
+        if options.precision != "w4a16":
+            raise BadInputError(f"--int4-blocks is for --precision w4a16 (got {options.precision})")
+        if options.int4_blocks < 0 or options.int4_blocks == 1 or options.int4_blocks & (options.int4_blocks - 1):
+            raise BadInputError(f"--int4-blocks must be a power of two >= 2, or 'none' (got {options.int4_blocks})")
     if options.parts is not None and options.max_part_bytes is not None:
         raise BadInputError("give --parts or --max-part-bytes, not both")
     if options.parts is not None and options.parts < 1:
@@ -324,7 +331,7 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
           logits_offset: bool = False, roles: dict[str, str] | None = None,
           tokenizer: str | Path | None = None, cache_fp16: bool = True, bundle: str = "qnnpasses",
-          keep_float: bool = False) -> dict[str, Any]:
+          keep_float: bool = False, int4_blocks: int | None = None) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     ``model``: the export, or the Hugging Face / Optimum folder holding it.  ``roles``:
@@ -337,12 +344,13 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     ``genie`` as a Genie bundle (:mod:`qnnpasses.llm.genie`: the same cache, Genie's inputs,
     context binaries in their own files).  ``keep_float``: a quantized bundle keeps the float pair
     its graphs were made from (``X.float.onnx``, every weight again in float32); by default it is
-    removed once the quantized pair has been checked against the export.
+    removed once the quantized pair has been checked against the export.  ``int4_blocks``: w4a16's
+    int4 weight scales, one per that many input rows (0: one per output channel; None: 32).
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
-                         probe, logits_offset, cache_fp16, bundle, keep_float)
+                         probe, logits_offset, cache_fp16, bundle, keep_float, int4_blocks)
     model, out_dir = model_file(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
@@ -509,7 +517,10 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
 
         pairs = [(stage / p["onnx"], stage / p["onnx"].replace(".onnx", "_ctx.onnx"))
                  for name in spec for p in manifest["graphs"][name]["parts"]]
-        compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared)
+        try:
+            compiled = compile_graphs(pairs, fp16=options.precision == "fp16", try_shared=options.try_shared)
+        except CheckFailedError as exc:
+            raise CheckFailedError(f"{exc}{_int4_blocks_hint(str(exc), report)}") from None
         for name in spec:
             for part in manifest["graphs"][name]["parts"]:
                 part["compiled"] = part["onnx"].replace(".onnx", "_ctx.onnx")
@@ -535,6 +546,18 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
 #: what a quantized pair's manifest says of the HTP's RmsNorm rounding (qnnpasses.quant.norm_rounding)
 NORM_ROUNDING = ("compensated on the HTP: each MatMul reading an RmsNorm output adds back half the norm's 16-bit step "
                  "times its weight's column sums, in what is compiled (qnnpasses.quant.norm_rounding.htp_model)")
+
+
+def _int4_blocks_hint(error: str, report: dict[str, Any]) -> str:
+    """What to do when the HTP cannot prepare a graph with int4 weights in blocks: measured on the
+    Qwen2.5-0.5B shape at context 4096 / prefill 128 (docs/bench_sizes.md), the prefill graph fails
+    to finalize (QNN_COMMON_ERROR_MEM_ALLOC) with blocks of any size and prepares with one int4
+    scale per output channel; the decode graph prepares either way."""
+    rows = (report.get("quantization") or {}).get("int4_block_rows")
+    if "QNN_COMMON_ERROR_MEM_ALLOC" not in error or not isinstance(rows, int):
+        return ""
+    return (f" (int4 weights in blocks of {rows} rows: the HTP prepares blocked int4 weights only next to smaller "
+            "attention; --int4-blocks none gives one scale per output channel, which it prepares)")
 
 
 def _drop_float_pair(stage: Path, manifest: dict[str, Any]) -> str:
