@@ -67,7 +67,9 @@ def dedicate_dequantize(ir: IRModel) -> int:
             own = gs.Variable(f"{value.name}_r{number}", dtype=value.dtype, shape=value.shape)
             order.append(gs.Node("DequantizeLinear", f"{node.name}_r{number}", dict(node.attrs),
                                  inputs=list(node.inputs), outputs=[own], domain=node.domain))
-            reader.inputs = [own if t is value else t for t in reader.inputs]
+            for slot, tensor in enumerate(reader.inputs):  # in place: the tensors' reader lists follow
+                if tensor is value:
+                    reader.inputs[slot] = own
             copies += 1
     graph.nodes = order
     return copies
