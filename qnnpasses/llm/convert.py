@@ -556,8 +556,8 @@ def _int4_blocks_hint(error: str, report: dict[str, Any]) -> str:
     rows = (report.get("quantization") or {}).get("int4_block_rows")
     if "QNN_COMMON_ERROR_MEM_ALLOC" not in error or not isinstance(rows, int):
         return ""
-    return (f" (int4 weights in blocks of {rows} rows: the HTP prepares blocked int4 weights only next to smaller "
-            "attention; --int4-blocks none gives one scale per output channel, which it prepares)")
+    return (f" (int4 weights in blocks of {rows} rows: measured, the HTP fails to prepare them beside a long "
+            "context's attention and prepares one scale per output channel: rerun with --int4-blocks none)")
 
 
 def _drop_float_pair(stage: Path, manifest: dict[str, Any]) -> str:
