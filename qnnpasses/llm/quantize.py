@@ -199,7 +199,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
                 ties.update({moved: past for moved in moved_into(ir, new)})
         private = {name: own_activation_names(ir, name) for name, ir in models.items() if name != "prefill"}
         policy = pair_policy(options.precision, models["prefill"], manifest["graphs"]["prefill"]["roles"]["logits"])
-        if getattr(options, "int4_blocks", None) is not None:  # --int4-blocks B|none
+        if options.int4_blocks is not None:  # --int4-blocks B|none
             policy = replace(policy, block_size=options.int4_blocks or None)
         raised = {n.name: constant_value(n.inputs[1]) for n in models["prefill"].graph.nodes if n.name in policy.raised}
         result = quantize_graphs(models, calib, outputs, policy=policy, ties=ties)
