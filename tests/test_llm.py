@@ -372,6 +372,29 @@ def test_quantized_parts_pass_quantized_tensors_and_compute_the_whole(built, tmp
         np.testing.assert_allclose(got[1], got[0], atol=tolerance, rtol=0, err_msg=on)
 
 
+def test_the_runner_s_sessions_hook_makes_every_session(built):
+    """``Runner(..., sessions=f)``: ``f(part file, graph)`` makes each graph's sessions (what a probe
+    uses to run the pair otherwise); here onnxruntime CPU without its fusions, which computes what
+    the default CPU sessions compute to float32 rounding."""
+    from qnnpasses.backends.cpu import cpu_session
+    from qnnpasses.llm.runner import Runner
+
+    manifest = built("llama_gqa_kv_dyn_ts")
+    made = []
+
+    def sessions(path, graph):
+        made.append((graph.name, path.name))
+        return cpu_session(path, mapped=True, optimize=False)
+
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, manifest["vocab"], 21)]
+    got = []
+    for runner in (Runner(manifest["dir"], on="cpu", sessions=sessions), Runner(manifest["dir"], on="cpu")):
+        logits, _ = runner.feed(prompt)
+        got.append(np.concatenate([logits.ravel(), runner.step("decode", [7]).ravel()]))
+    assert made == [("prefill", "prefill.onnx"), ("decode", "decode.onnx")]
+    np.testing.assert_allclose(got[0], got[1], atol=1e-5, rtol=0)
+
+
 def test_logits_offset_pair_gives_the_plain_pair_s_logits_plus_its_offset(built):
     """``--logits-offset``: the offset output named by the manifest, the spec records the pass; its
     logits plus its offset are the plain (default) pair's logits (CPU, float32 rounding) and

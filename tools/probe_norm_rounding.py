@@ -86,29 +86,27 @@ def norm_rounded_down(pair: Path, out: Path) -> Path:
 def teacher_forced(pair: Path, on: str, windows: int, compensate: bool = True) -> dict:
     import trained_fixtures as tf
 
-    import qnnpasses.llm.runner as runner
-    import qnnpasses.quant.norm_rounding as norm_rounding
     from qnnpasses.backends.cpu import cpu_session
+    from qnnpasses.llm.runner import Runner, htp_graph_session
 
-    cpu, htp_model = runner._cpu_session, norm_rounding.htp_model
-    runner._cpu_session = lambda path: cpu_session(path, mapped=True, optimize=False)  # what the graphs say
-    if not compensate:
-        norm_rounding.htp_model = lambda path: (str(path), {}, 0)
-    try:
-        data = np.load(tf.DEFAULT_CACHE / f"{MODEL}.eval.npz")
-        run = runner.Runner(pair, on=on)
-        run.open()
-        agree = total = 0
-        start = time.monotonic()
-        for i in range(windows):
-            mask = data["attention_mask"][i].astype(bool)
-            run.reset()
-            logits = run.feed([int(t) for t in data["input_ids"][i][mask]])[0]
-            agree += int((logits.argmax(-1) == data["ref_top1"][i][mask]).sum())
-            total += int(mask.sum())
-        return {"agree": agree, "positions": total, "top1": agree / total, "seconds": round(time.monotonic() - start)}
-    finally:
-        runner._cpu_session, norm_rounding.htp_model = cpu, htp_model
+    def sessions(path: Path, graph):
+        if on == "cpu":  # what the graphs say: onnxruntime's CPU fusions off
+            return cpu_session(path, mapped=True, optimize=False)
+        return htp_graph_session(path, fp16=graph.fp16, shared=graph.shared, target=graph.target,
+                                 compiled=graph.compiled, compensate=compensate)
+
+    data = np.load(tf.DEFAULT_CACHE / f"{MODEL}.eval.npz")
+    run = Runner(pair, on=on, sessions=sessions)
+    run.open()
+    agree = total = 0
+    start = time.monotonic()
+    for i in range(windows):
+        mask = data["attention_mask"][i].astype(bool)
+        run.reset()
+        logits = run.feed([int(t) for t in data["input_ids"][i][mask]])[0]
+        agree += int((logits.argmax(-1) == data["ref_top1"][i][mask]).sum())
+        total += int(mask.sum())
+    return {"agree": agree, "positions": total, "top1": agree / total, "seconds": round(time.monotonic() - start)}
 
 
 def measure(pair: Path | None, windows: int) -> dict:

@@ -78,17 +78,19 @@ class Generation:
         return data
 
 
-def _htp_session(path: Path, *, fp16: bool, shared: bool, target: Any, compiled: bool) -> Any:
+def htp_graph_session(path: Path, *, fp16: bool, shared: bool, target: Any, compiled: bool,
+                      compensate: bool = True) -> Any:
     """A session on the HTP with the options ``qnnpasses llm`` compiled with: onnxruntime's graph
     optimizations off (its fusions would undo rewrites the HTP needs, e.g. the fp16-safe
     RMSNorm), graph-boundary Q/DQ on the HTP for quantized graphs, no CPU fallback; a quantized
-    graph not yet compiled gets what compiling gives it (:mod:`qnnpasses.quant.norm_rounding`)."""
+    graph not yet compiled gets what compiling gives it (:mod:`qnnpasses.quant.norm_rounding`;
+    ``compensate=False``: the graph as written, for measuring what the compensation does)."""
     from qnnpasses.backends.htp import htp_session
 
     config = {"ep.share_ep_contexts": "1"} if shared else {}
     extra = None if fp16 else {"offload_graph_io_quantization": "0"}
     model: Path | str | bytes = path
-    if not fp16 and not compiled:
+    if not fp16 and not compiled and compensate:
         from qnnpasses.quant.norm_rounding import htp_model
 
         model, more, _ = htp_model(path)
@@ -106,7 +108,8 @@ def _cpu_session(path: Path) -> Any:
 class _Graph:
     """One graph of the pair: its roles, its part files and (once opened) their sessions."""
 
-    def __init__(self, manifest: dict[str, Any], name: str, on: str, target: Any):
+    def __init__(self, manifest: dict[str, Any], name: str, on: str, target: Any,
+                 sessions: Callable[[Path, _Graph], Any] | None = None):
         spec = manifest["graphs"][name]
         self.name = name
         self.tokens, self.past = int(spec["tokens"]), int(spec["past"])
@@ -117,7 +120,7 @@ class _Graph:
         missing = [f for f in self.files if not (self.root / f).is_file()]
         if missing:
             raise RunnerError(f"{name} graph: missing file {missing[0]} in {self.root}")
-        self.on, self.target = on, target
+        self.on, self.target, self.factory = on, target, sessions
         self.fp16 = str(manifest.get("precision", "fp16")) == "fp16"
         self.shared = self.compiled and manifest.get("weight_sharing") == "shared"
         self.sessions: list[Any] = []
@@ -127,8 +130,13 @@ class _Graph:
         """Create the sessions (on the HTP this prepares or loads the graphs: slow)."""
         for f in self.files[len(self.sessions):]:
             path = self.root / f
-            session = (_htp_session(path, fp16=self.fp16, shared=self.shared, target=self.target, compiled=self.compiled)
-                       if self.on == "htp" else _cpu_session(path))
+            if self.factory is not None:
+                session = self.factory(path, self)
+            elif self.on == "htp":
+                session = htp_graph_session(path, fp16=self.fp16, shared=self.shared, target=self.target,
+                                            compiled=self.compiled)
+            else:
+                session = _cpu_session(path)
             self.sessions.append(session)
             self.outputs.append([o.name for o in session.get_outputs()])
 
@@ -146,10 +154,13 @@ class Runner:
 
     On the HTP the sessions name ``target`` (default: the one the manifest records, the device
     the bundle was compiled for).  Sessions open on first use (:meth:`open`), so a bad prompt is
-    refused before the slow part.
+    refused before the slow part.  ``sessions``: a hook ``(part file, graph) -> session`` that
+    makes the sessions instead (a probe that runs the graphs otherwise; :func:`htp_graph_session`
+    is the default on the HTP).
     """
 
-    def __init__(self, directory: str | Path, on: str = "htp", target: Any = None):
+    def __init__(self, directory: str | Path, on: str = "htp", target: Any = None,
+                 sessions: Callable[[Path, _Graph], Any] | None = None):
         if on not in ON:
             raise RunnerError(f"unknown target {on!r} (expected one of {', '.join(ON)})")
         if not Path(directory).exists():
@@ -180,7 +191,7 @@ class Runner:
             self.target = target or from_dict(m.get("target"))
         except BadInputError as exc:
             raise RunnerError(f"{directory}: llm.json names an unknown target: {exc}") from None
-        self.graphs = {name: _Graph(m, name, on, self.target) for name in ("prefill", "decode")}
+        self.graphs = {name: _Graph(m, name, on, self.target, sessions) for name in ("prefill", "decode")}
         self.load_seconds = 0.0
         self.keys = [self.layout.empty("key", self.context) for _ in range(self.layers)]
         self.values = [self.layout.empty("value", self.context) for _ in range(self.layers)]
