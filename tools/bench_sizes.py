@@ -216,7 +216,16 @@ def bundle_figures(out_dir: Path) -> dict:
                                                   "prefill_call_read_bytes", "weights_from", "target",
                                                   "decode_tokens_per_second_ceiling")},
             "graph_weight_bytes": {name: g.get("weight_bytes") for name, g in (device.get("graphs") or {}).items()},
-            "check": check_figures(report, manifest), "seconds": report.get("seconds")}
+            "check": check_figures(report, manifest), "seconds": report.get("seconds"),
+            **_int4_grid(report.get("quantization") or {})}
+
+
+def _int4_grid(quantization: dict) -> dict:
+    """A w4a16 build's int4 grid and who chose it (the build's probe of the HTP, or the default)."""
+    if "int4_block_rows" not in quantization:
+        return {}
+    return {"int4": {"block_rows": quantization["int4_block_rows"],
+                     "chosen_by": (quantization.get("int4_blocks") or {}).get("chosen_by")}}
 
 
 def check_figures(report: dict, manifest: dict) -> dict:
@@ -262,9 +271,13 @@ def key(entry: dict) -> tuple:
 
 
 def precision(entry: dict) -> str:
-    """The precision as the tables show it: ``--int4-blocks`` other than the default named."""
+    """The precision as the tables show it: ``--int4-blocks`` other than the default named, and the
+    int4 grid where the build's probe of the HTP chose one scale per output channel."""
     blocks = entry.get("int4_blocks")
     if not blocks:
+        chosen = entry.get("int4") or {}
+        if chosen.get("chosen_by") == "probe":
+            return f"{entry['precision']} (int4 {chosen['block_rows']}: the HTP's choice)"
         return entry["precision"]
     return f"{entry['precision']} (int4 {'per channel' if blocks == 'none' else 'blocks of ' + blocks})"
 

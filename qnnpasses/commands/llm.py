@@ -43,9 +43,9 @@ def register(subparsers) -> None:
                             "peak activations; e.g. 1G). Default: 2G, splitting only the graphs larger than that "
                             "(the HTP's 4 GiB address space holds a context and its buffers)")
     p.add_argument("--int4-blocks", dest="int4_blocks", type=_int4_blocks, metavar="B|none",
-                   help="w4a16: one int4 weight scale per B input rows of each output channel (default 32, the most "
-                        "accurate measured), or 'none': one per output channel (what the HTP prepares at long "
-                        "contexts: docs/bench_sizes.md)")
+                   help="w4a16: one int4 weight scale per B input rows of each output channel, or 'none': one per "
+                        "output channel. Default: 32 (the most accurate measured) where the HTP prepares the first "
+                        "layer so, else one per output channel (docs/int4_blocks.md)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiling to EPContext models")
     p.add_argument("--keep-float", dest="keep_float", action="store_true",
                    help="w8a16|w4a16: keep the float pair the quantized graphs were made from (X.float.onnx) in "

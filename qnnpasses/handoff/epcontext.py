@@ -143,9 +143,10 @@ def context_summary(path: str | Path) -> dict[str, Any]:
     proto = onnx.load(str(path), load_external_data=False)
     ctx = [n for n in proto.graph.node if n.op_type == "EPContext"]
     embed = [next((a.i for a in n.attribute if a.name == "embed_mode"), None) for n in ctx]
-    # with embed_mode 0 the node names the context binary file (relative to the model)
-    binaries = [next(a.s.decode() for a in n.attribute if a.name == "ep_cache_context")
-                for n, mode in zip(ctx, embed) if mode == 0]
+    # with embed_mode 0 the node names the context binary file (relative to the model); the other
+    # nodes of a context split into several graphs (main_context 0) name none: they are in the main one's
+    binaries = [a.s.decode() for n, mode in zip(ctx, embed) if mode == 0
+                for a in n.attribute if a.name == "ep_cache_context"]
     return {"epcontext_nodes": len(ctx), "other_nodes": len(proto.graph.node) - len(ctx),
             "other_op_types": sorted({n.op_type for n in proto.graph.node if n.op_type != "EPContext"}),
             "embed_mode": embed, "binaries": binaries, "bytes": os.path.getsize(path)}

@@ -133,12 +133,14 @@ class LlmOptions:
     compile: bool = True
     try_shared: bool = True
     verify_tokens: int = 8
+    #: ask the HTP (when installed): each graph's placement, and w4a16's int4 grid (qnnpasses.llm.int4_blocks)
     probe: bool = True
     logits_offset: bool = False
     cache_fp16: bool = True
     bundle: str = "qnnpasses"
     keep_float: bool = False
     #: w4a16: input rows per int4 scale (0: one scale per output channel); None: the precision's own (32)
+    #: where the HTP prepares the first layer so, else per output channel (qnnpasses.llm.int4_blocks)
     int4_blocks: int | None = None
 
 
@@ -345,7 +347,8 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     context binaries in their own files).  ``keep_float``: a quantized bundle keeps the float pair
     its graphs were made from (``X.float.onnx``, every weight again in float32); by default it is
     removed once the quantized pair has been checked against the export.  ``int4_blocks``: w4a16's
-    int4 weight scales, one per that many input rows (0: one per output channel; None: 32).
+    int4 weight scales, one per that many input rows (0: one per output channel; None: 32 where the
+    HTP prepares the first layer so, else per output channel: :mod:`qnnpasses.llm.int4_blocks`).
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
@@ -549,15 +552,15 @@ NORM_ROUNDING = ("compensated on the HTP: each MatMul reading an RmsNorm output 
 
 
 def _int4_blocks_hint(error: str, report: dict[str, Any]) -> str:
-    """What to do when the HTP cannot prepare a graph with int4 weights in blocks: measured on the
-    Qwen2.5-0.5B shape at context 4096 / prefill 128 (docs/bench_sizes.md), the prefill graph fails
-    to finalize (QNN_COMMON_ERROR_MEM_ALLOC) with blocks of any size and prepares with one int4
-    scale per output channel; the decode graph prepares either way."""
+    """What to do when the HTP cannot prepare a graph with int4 weights in blocks: the first
+    layer's probe (:mod:`qnnpasses.llm.int4_blocks`) did not fail, or did not run, or the user
+    chose the blocks; one int4 scale per output channel is what the HTP prepared wherever the
+    blocks failed to allocate (docs/int4_blocks.md)."""
     rows = (report.get("quantization") or {}).get("int4_block_rows")
     if "QNN_COMMON_ERROR_MEM_ALLOC" not in error or not isinstance(rows, int):
         return ""
-    return (f" (int4 weights in blocks of {rows} rows: measured, the HTP fails to prepare them beside a long "
-            "context's attention and prepares one scale per output channel: rerun with --int4-blocks none)")
+    return (f" (int4 weights in blocks of {rows} rows: where the HTP failed to allocate those, it prepared one "
+            "scale per output channel: rerun with --int4-blocks none)")
 
 
 def _drop_float_pair(stage: Path, manifest: dict[str, Any]) -> str:

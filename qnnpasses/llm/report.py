@@ -118,6 +118,8 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
                      f"(largest logit {quantized['logits_scale']:.3g}), top-1 agreement {quantized['top1']:.1%} over "
                      f"{quantized['positions']} positions; calibration calls: {q.get('samples')}, "
                      f"{q.get('shared_tensors')} tensors with one shared encoding.")
+        if q.get("int4_blocks"):
+            lines.append(int4_grid_line(q["int4_block_rows"], q["int4_blocks"]))
     probe = (report.get("compile") or {}).get("shared_probe")
     if probe:
         lines.append(f"Weight-shared context, tried on {probe.get('on', 'this pair')}: compile "
@@ -135,6 +137,24 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
         lines += ["", graphs_markdown(manifest, report["htp"])]
     return "\n".join(lines) + "\n"
 
+
+def int4_grid_line(rows: int | str, chosen: dict[str, Any]) -> str:
+    """report.md's sentence on w4a16's int4 grid and who chose it (qnnpasses.llm.int4_blocks)."""
+    grid = f"one scale per {rows} input rows" if isinstance(rows, int) and rows else "one scale per output channel"
+    probe = chosen.get("probe")
+    if chosen["chosen_by"] == "--int4-blocks":
+        why = "as --int4-blocks asked"
+    elif isinstance(probe, str) or probe is None:
+        why = f"the default ({probe})" if probe else "the default"
+    elif chosen["chosen_by"] == "probe":
+        why = (f"the HTP failed to prepare the first layer in blocks ({probe['blocks']['error']}) and prepared it "
+               "so; --int4-blocks B insists on blocks")
+    elif probe["blocks"]["prepared"]:
+        why = "the HTP prepared the first layer so"
+    else:
+        why = ("the default: the HTP prepared the first layer neither in blocks nor per output channel "
+               f"({probe['blocks']['error']})")
+    return f"int4 weights: {grid}; {why}."
 
 
 # --------------------------------------------------------------------------- docs/llm_graphs.md

@@ -150,9 +150,11 @@ def _within(points: list[int], prefix: np.ndarray, peak: np.ndarray, budget: int
         cuts.append(start)
 
 
-def plan_parts(ir: IRModel, stream_input: str, *, parts: int | None = None, max_part_bytes: int | None = None,
-               provider_options: dict[str, str] | None = None) -> tuple[NodeGraph, list[Partition]]:
-    """The parts of ``ir`` (all on the HTP in a session with ``provider_options``), measured, in run order."""
+def residual_order(ir: IRModel, stream_input: str,
+                   provider_options: dict[str, str] | None = None) -> tuple[NodeGraph, list[int], list[int]]:
+    """``ir``'s node graph, its run order (node indices, off-stream nodes late) and the residual
+    boundaries in that order.  ``ir`` is rescheduled in place; it must be one HTP partition in a
+    session with ``provider_options``."""
     dedicate_dequantize(ir)
     on_stream = schedule_off_stream_late(ir, stream_input)
     ng = build_node_graph(ir)
@@ -161,9 +163,23 @@ def plan_parts(ir: IRModel, stream_input: str, *, parts: int | None = None, max_
     if len(whole.partitions) != 1 or whole.partitions[0].backend != "htp":
         raise BadInputError("the graph is not one HTP partition by the op-support table; cannot split it into parts")
     order = sorted(whole.partitions[0].indices)
+    return ng, order, residual_boundaries(ng, order, on_stream)
+
+
+def extract_part(ng: NodeGraph, part: Partition) -> IRModel:
+    """A part (consecutive nodes of a run order, :func:`describe`'d) as a stand-alone model with
+    the original tensor names on its boundary."""
+    index = ng.index_of()
+    members = sorted({index[n] for n in part.nodes} | {index[n] for n in part.constant_nodes})
+    return extract(ng, members, part.inputs, part.outputs)
+
+
+def plan_parts(ir: IRModel, stream_input: str, *, parts: int | None = None, max_part_bytes: int | None = None,
+               provider_options: dict[str, str] | None = None) -> tuple[NodeGraph, list[Partition]]:
+    """The parts of ``ir`` (all on the HTP in a session with ``provider_options``), measured, in run order."""
+    ng, order, points = residual_order(ir, stream_input, provider_options)
     weights, _, peak = profiles(ng, order)
     prefix = np.concatenate([[0], np.cumsum(weights)])
-    points = residual_boundaries(ng, order, on_stream)
     if max_part_bytes is not None:
         cuts = _within(points, prefix, peak, max_part_bytes)
         if cuts is None:
@@ -183,12 +199,9 @@ def write_parts(ir: IRModel, out_dir: Path, stem: str, stream_input: str, *, par
     """Write ``stem.partN.onnx`` files; returns the manifest's part entries (onnx, inputs, outputs)."""
     ng, pieces = plan_parts(ir, stream_input, parts=parts, max_part_bytes=max_part_bytes,
                             provider_options=provider_options)
-    index = ng.index_of()
     entries = []
     for number, part in enumerate(pieces):
-        members = sorted({index[n] for n in part.nodes} | {index[n] for n in part.constant_nodes})
-        sub = extract(ng, members, part.inputs, part.outputs)
-        path = save_partition(sub, out_dir / f"{stem}.part{number}.onnx")
+        path = save_partition(extract_part(ng, part), out_dir / f"{stem}.part{number}.onnx")
         entries.append({"onnx": path.name, "compiled": None, "inputs": list(part.inputs), "outputs": list(part.outputs),
                         "weight_bytes": part.weight_bytes})
     return entries
