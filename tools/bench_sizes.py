@@ -271,15 +271,18 @@ def key(entry: dict) -> tuple:
 
 
 def precision(entry: dict) -> str:
-    """The precision as the tables show it: ``--int4-blocks`` other than the default named, and the
-    int4 grid where the build's probe of the HTP chose one scale per output channel."""
-    blocks = entry.get("int4_blocks")
-    if not blocks:
-        chosen = entry.get("int4") or {}
-        if chosen.get("chosen_by") == "probe":
-            return f"{entry['precision']} (int4 {chosen['block_rows']}: the HTP's choice)"
+    """The precision as the tables show it, with a w4a16 build's int4 grid: ``--int4-blocks`` as
+    given, else what the build chose (and whether its probe of the HTP chose it); builds made before
+    the grid was recorded had the default of then, blocks of 32."""
+    if entry["precision"] != "w4a16":
         return entry["precision"]
-    return f"{entry['precision']} (int4 {'per channel' if blocks == 'none' else 'blocks of ' + blocks})"
+    blocks = entry.get("int4_blocks")
+    if blocks:
+        return f"w4a16 (int4 {'per channel' if blocks == 'none' else 'blocks of ' + blocks})"
+    chosen = entry.get("int4") or {"block_rows": 32}
+    rows = chosen["block_rows"]
+    grid = "per channel" if rows == "per channel" else f"blocks of {rows}"
+    return f"w4a16 (int4 {grid}{': the HTP' + chr(39) + 's choice' if chosen.get('chosen_by') == 'probe' else ''})"
 
 
 def merge(entries: list[dict]) -> dict:
