@@ -171,8 +171,8 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
         roles = graph["roles"]
         ties.update(zip(roles["new_key"] + roles["new_value"], roles["past_key"] + roles["past_value"]))
     policy = PRECISIONS[options.precision]
-    blocks: dict[str, Any] = {}
-    if policy.weight_bits == 4:  # before the slow part: the grid the HTP prepares at these shapes
+    int4 = policy.weight_bits == 4
+    if int4:  # before the slow part: the grid the HTP prepares at these shapes
         from qnnpasses.backends.htp import htp_available
         from qnnpasses.llm.int4_blocks import choose_block_rows
 
@@ -206,7 +206,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
                 ties.update({moved: past for moved in moved_into(ir, new)})
         private = {name: own_activation_names(ir, name) for name, ir in models.items() if name != "prefill"}
         policy = pair_policy(options.precision, models["prefill"], manifest["graphs"]["prefill"]["roles"]["logits"])
-        if blocks:
+        if int4:
             policy = replace(policy, block_size=rows or None)
         raised = {n.name: constant_value(n.inputs[1]) for n in models["prefill"].graph.nodes if n.name in policy.raised}
         result = quantize_graphs(models, calib, outputs, policy=policy, ties=ties)
@@ -228,8 +228,7 @@ def quantize_pair(folder: Path, manifest: dict[str, Any], options) -> dict[str, 
             raise BadInputError(f"quantizing the {name} graph changed its interface: {sorted(names ^ set(graph['io']))}")
         graph["float_onnx"] = floats[name].name
     return {"precision": options.precision, "recipe": RECIPE, "samples": samples,
-            **({"int4_block_rows": policy.block_size or "per channel", "int4_blocks": blocks}
-               if policy.weight_bits == 4 else {}),
+            **({"int4_block_rows": policy.block_size or "per channel", "int4_blocks": blocks} if int4 else {}),
             "shared_tensors": len(result.shared_tensors), "ties": len(ties), "outlier_rewrites": records,
             "own_activation_ranges": private, "lm_head": lm_head,
             "graphs": {k: r.as_dict() for k, r in result.results.items()}}
