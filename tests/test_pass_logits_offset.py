@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import pytest
 from conftest import requires_htp
 from onnx import TensorProto, helper, numpy_helper
@@ -72,6 +73,51 @@ def test_logits_relative_to_the_row_max_and_the_offset_restores_them():
     assert (shifted.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_candidates_take_the_offset_from_the_first_tokens_only():
+    """``candidates=N``: the offset is the maximum of the first N tokens' logits, from an [H, N]
+    slice of W (N/V of the lm_head's bytes more, where every token as candidate doubles them);
+    the relative logits plus the offset are still the original logits."""
+    proto, x = lm_head_model()
+    want = run_cpu(load_model(proto), {"x": x})["logits"].astype(np.float64)
+    n = VOCAB // 8
+    ir, record = run_strictly(proto, f"logits-offset{{candidates={n}}}", inputs={"x": x})
+    assert record.notes == [f"logits relative to the max of its first {n} tokens, offset in logits_offset"]
+    assert weight_shapes(ir) == [(HIDDEN + 1, VOCAB)]  # W itself is no longer read: [W; 1] only
+    assert sorted(t.values.shape for t in ir.graph.tensors().values()
+                  if getattr(t, "values", None) is not None and t.values.ndim == 2) == [(HIDDEN, n), (HIDDEN + 1, VOCAB)]
+    got = run_cpu(ir, {"x": x})
+    shifted, offset = got["logits"].astype(np.float64), got["logits_offset"].astype(np.float64)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(offset[..., 0], want[..., :n].max(-1), atol=1e-6 * scale, rtol=0)
+    np.testing.assert_allclose(shifted + offset, want, atol=1e-6 * scale, rtol=0)
+    assert (shifted.argmax(-1) == want.argmax(-1)).all()
+    # as many candidates as tokens, or more: the every-token form
+    ir, record = run_strictly(proto, f"logits-offset{{candidates={VOCAB}}}", inputs={"x": x})
+    assert weight_shapes(ir) == [(HIDDEN, VOCAB), (HIDDEN + 1, VOCAB)]
+    with pytest.raises(Exception, match="candidates must be 0"):
+        run_strictly(proto, "logits-offset{candidates=-1}", inputs={"x": x})
+
+
+def test_a_mapped_lm_head_gets_recipes_not_copies_in_memory(tmp_path):
+    """W mapped from an external-data file: ``[W; 1]`` and the candidates' columns are recipes,
+    computed as the model is written or run, so the pass holds no copy of the lm_head; the
+    written model computes the same logits and offset."""
+    from qnnpasses.ir.model import DerivedValues, save_model
+
+    proto, x = lm_head_model()
+    want = run_cpu(load_model(proto), {"x": x})["logits"].astype(np.float64)
+    onnx.save(proto, tmp_path / "head.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="head.data")
+    ir, _ = run_strictly(tmp_path / "head.onnx", "logits-offset{candidates=256}", inputs={"x": x})
+    made = sorted(tuple(t.shape) for t in ir.graph.tensors().values()
+                  if isinstance(t, gs.Constant) and isinstance(t._values, DerivedValues))
+    assert made == [(HIDDEN, 256), (HIDDEN + 1, VOCAB)]
+    save_model(ir, tmp_path / "out.onnx")
+    got = run_cpu(load_model(tmp_path / "out.onnx"), {"x": x})
+    np.testing.assert_allclose(got["logits_offset"][..., 0], want[..., :256].max(-1), atol=1e-6 * np.abs(want).max())
+    np.testing.assert_allclose(got["logits"] + got["logits_offset"], want, atol=1e-6 * np.abs(want).max(), rtol=0)
+
+
 def test_an_fp16_head_is_left_as_it_is():
     """In an fp16 graph the shifted logits would be finer than the original's own rounding on
     every backend: not the same function to float rounding, so the pass leaves it (and says why)."""
@@ -133,3 +179,28 @@ def test_top_logits_are_finer_on_the_htp_in_fp16(tmp_path):
     plain_error = error(out["plain"]["logits"].astype(np.float64))
     offset_error = error(out["offset"]["logits"].astype(np.float64) + out["offset"]["logits_offset"])
     assert offset_error * 10 <= plain_error, (offset_error, plain_error)
+
+
+@requires_htp
+def test_candidates_are_as_fine_where_the_top_token_is_among_them(tmp_path):
+    """With the first half of the tokens as candidates, the rows whose top token is among them get
+    the every-token form's resolution on the HTP; the others land at their top token's lead over
+    the candidates, still finer than plain logits whenever that lead is below the top logit."""
+    proto, x = lm_head_model()
+    plain = load_model(proto)
+    want = run_cpu(plain, {"x": x})["logits"].astype(np.float64)
+    n = VOCAB // 2
+    inside = want.argmax(-1)[0] < n
+    assert 0 < inside.sum() < TOKENS  # rows of both kinds
+    shifted, _ = run_strictly(proto, f"logits-offset{{candidates={n}}},cleanup", inputs={"x": x})
+    out = htp_fp16_outputs({"plain": plain, "candidates": shifted}, {"x": x}, tmp_path)
+    near_top = want >= want.max(-1, keepdims=True) - 4
+
+    def error(logits: np.ndarray, rows: np.ndarray) -> float:
+        mask = near_top & rows[None, :, None]
+        return float(np.sqrt(np.mean((logits[mask] - want[mask]) ** 2)))
+
+    got = out["candidates"]["logits"].astype(np.float64) + out["candidates"]["logits_offset"]
+    plain_got = out["plain"]["logits"].astype(np.float64)
+    assert error(got, inside) * 10 <= error(plain_got, inside), (error(got, inside), error(plain_got, inside))
+    assert error(got, ~inside) <= error(plain_got, ~inside), (error(got, ~inside), error(plain_got, ~inside))

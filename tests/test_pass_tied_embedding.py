@@ -52,6 +52,20 @@ def test_a_tied_table_is_read_from_the_lm_head_and_stored_once(tmp_path):
     assert gather.inputs[0].name == "lm_head.weight_t" and gather.attrs["axis"] == 1
 
 
+def test_the_table_is_read_from_logits_offset_s_taller_weight(tmp_path):
+    """After ``logits-offset{candidates=N}`` the lm_head reads ``[Wᵀ; 1]`` (``[H + 1, V]``) and no
+    ``[H, V]`` weight is left: the table is its first H rows, gathered and sliced, stored once."""
+    inputs = tied_model(tmp_path / "tied.onnx")
+    ir, record = run_strictly(tmp_path / "tied.onnx", "logits-offset{candidates=8},tied-embedding", inputs=inputs)
+    assert record.status == "changed" and record.verification["max_abs"] == 0.0
+    gather = next(n for n in ir.graph.nodes if n.op == "Gather")
+    assert gather.inputs[0].name.startswith("lm_head.weight_t_with_ones") and list(gather.inputs[0].shape) == [HIDDEN + 1, VOCAB]
+    assert op_counts(ir)["Slice"] == 1
+    tables = sorted(tuple(t.shape) for t in ir.graph.tensors().values()
+                    if getattr(t, "values", None) is not None and t.values.ndim == 2)
+    assert tables == [(HIDDEN, 8), (HIDDEN + 1, VOCAB)]  # no [V, H] table, no [H, V] weight
+
+
 def test_an_untied_table_is_left_alone(tmp_path):
     inputs = tied_model(tmp_path / "untied.onnx", untie=True)
     _, record = run_strictly(tmp_path / "untied.onnx", "tied-embedding", inputs=inputs)

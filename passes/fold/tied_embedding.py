@@ -4,13 +4,15 @@ Matches: ``Gather(E, ids)`` on axis 0 with ``E`` a constant 2-D ``[V, H]`` table
 ``MatMul(x, W)`` of the same graph has a constant ``W`` equal to ``Eᵀ`` element for element: a
 model whose input embedding and lm_head share one matrix (``tie_word_embeddings``), which the
 exporters write twice (TorchScript and dynamo store the lm_head's ``Wᵀ`` as an initializer of its
-own; SmolLM2, Gemma, GPT-2, Qwen2.5-0.5B, Llama-3.2-1B are tied).
+own; SmolLM2, Gemma, GPT-2, Qwen2.5-0.5B, Llama-3.2-1B are tied).  Also a ``W`` of ``[H + k, V]``
+whose first ``H`` rows are ``Eᵀ`` (``logits-offset``'s ``[Wᵀ; 1]``), when no ``[H, V]`` one matches.
 
 Produces: ``Transpose(Gather(W, ids, axis=1), perm=[1, ..., r, 0])`` for the embedding lookup (``r``
-the rank of ``ids``); ``E`` is no longer read and leaves the model.
+the rank of ``ids``), with ``Slice`` of the first ``H`` rows after the Gather for a taller ``W``;
+``E`` is no longer read and leaves the model.
 
-Why it is safe: ``Gather(W, ids, axis=1)[h, i...] = W[h, ids[i...]] = E[ids[i...], h]``: the same
-values, moved, not computed (EXACT).  On the HTP (fp16 mode) the logits are the same bits
+Why it is safe: ``Gather(W, ids, axis=1)[h, i...] = W[h, ids[i...]] = E[ids[i...], h]`` for every
+``h < H``: the same values, moved, not computed (EXACT).  On the HTP (fp16 mode) the logits are the same bits
 (``tests/test_pass_tied_embedding.py``), and a trained decode graph prepares and runs as fast.
 
 What it does not do: make the compiled context smaller.  The simulated HTP has stored the
@@ -26,18 +28,31 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import constant_value, emit, finish, replace_all_uses, static_shape
+from qnnpasses.passmanager.rewrite import constant_value, emit, emit_slice, finish, replace_all_uses, static_shape
 
 
-def _matmul_weights(graph: gs.Graph) -> dict[tuple[int, ...], list[gs.Constant]]:
-    """The constant 2-D MatMul weights of the graph, by shape."""
-    found: dict[tuple[int, ...], list[gs.Constant]] = {}
+def _matmul_weights(graph: gs.Graph) -> dict[int, list[gs.Constant]]:
+    """The constant 2-D MatMul weights of the graph, by their columns (the lm_head's: the vocabulary)."""
+    found: dict[int, list[gs.Constant]] = {}
     for node in graph.nodes:
         if node.op == "MatMul" and len(node.inputs) == 2 and isinstance(node.inputs[1], gs.Constant):
             shape = tuple(node.inputs[1].shape or ())
-            if len(shape) == 2 and node.inputs[1] not in found.get(shape, []):
-                found.setdefault(shape, []).append(node.inputs[1])
+            if len(shape) == 2 and node.inputs[1] not in found.get(shape[1], []):
+                found.setdefault(shape[1], []).append(node.inputs[1])
     return found
+
+
+def _table_of(weights: list[gs.Constant], table: gs.Constant) -> gs.Constant | None:
+    """The weight whose first ``H`` rows are the ``[V, H]`` table transposed; an exact ``[H, V]`` one first."""
+    hidden = table.shape[1]
+    values = None
+    for weight in sorted(weights, key=lambda w: w.shape[0] != hidden):
+        if weight.shape[0] < hidden or np.dtype(weight.dtype) != np.dtype(table.dtype):
+            continue
+        values = constant_value(table) if values is None else values
+        if np.array_equal(constant_value(weight)[:hidden].T, values):
+            return weight
+    return None
 
 
 @register_pass
@@ -57,21 +72,22 @@ class TiedEmbedding(Pass):
             if len(table.shape or ()) != 2:
                 continue
             vocab, hidden = table.shape
-            candidates = weights.get((hidden, vocab), [])
+            candidates = [w for w in weights.get(vocab, []) if w.shape[0] >= hidden]
             if not candidates:
                 continue
             ids_shape = static_shape(node.inputs[1])
             if ids_shape is None:
                 notes.append(f"{node.name}: indices of unknown rank")
                 continue
-            values = constant_value(table)
-            match = next((w for w in candidates if np.dtype(w.dtype) == np.dtype(table.dtype)
-                          and np.array_equal(constant_value(w).T, values)), None)
+            match = _table_of(candidates, table)
             if match is None:
                 continue
             rank = len(ids_shape)
             columns = emit(ir, ctx, "Gather", [match, node.inputs[1]], hint=f"{node.name}_tied", dtype=table.dtype,
-                           shape=[hidden, *ids_shape], attrs={"axis": 1})
+                           shape=[match.shape[0], *ids_shape], attrs={"axis": 1})
+            if match.shape[0] != hidden:  # [Wᵀ; extra rows]: the table's rows are the first H
+                columns = emit_slice(ir, ctx, columns, [0], [hidden], [0], [1], [hidden, *ids_shape],
+                                     hint=f"{node.name}_table_rows")
             rows = emit(ir, ctx, "Transpose", [columns], hint=f"{node.name}_rows", dtype=table.dtype,
                         shape=[*ids_shape, hidden], attrs={"perm": [*range(1, rank + 1), 0]})
             replace_all_uses(graph, node.outputs[0], rows)  # the Gather of E is left unread: finish drops it

@@ -1,5 +1,5 @@
-"""logits-offset: ``logits = x @ W`` => ``logits - m`` and an output ``m``, the row's maximum,
-subtracted inside the MatMul's accumulator.
+"""logits-offset: ``logits = x @ W`` => ``logits - m`` and an output ``m``, the row's maximum (or
+its maximum over a set of candidate tokens), subtracted inside the MatMul's accumulator.
 
 Matches: a float32 graph output computed by ``MatMul(x, W)`` -- ``W`` a constant float32 ``[K, V]``,
 ``x`` of static shape ``[..., K]`` -- through shape-only ops that keep the last axis (Reshape,
@@ -11,37 +11,42 @@ logits on every backend (finer, but no longer the same function to float roundin
 
 Produces, with ``W' = [W; 1]`` (one row of ones appended, ``[K + 1, V]``)::
 
-    y1 = MatMul(x, W)                        # the logits, as before
+    y1 = MatMul(x, C)                        # C = W (every token), or W[:, :N] (candidates=N)
     m  = ReduceMax(y1, last axis, keepdims)
-    y2 = MatMul(Concat(x, -m), W')           # x @ W - m, the row's max subtracted before rounding
+    y2 = MatMul(Concat(x, -m), W')           # x @ W - m, the offset subtracted before rounding
     <output>        = shape-only ops(y2)     # the logits relative to m: the top ones near 0
     <output>_offset = Reshape(m)             # [..., 1]: logits = <output> + <output>_offset
 
-Why it is safe: ``[x, -m] @ [W; 1] = x @ W - m`` exactly, so ``<output> + <output>_offset`` is
-the original logits up to float rounding, and ``<output>`` alone differs from them by one
-constant per row: argmax, softmax, log-softmax and sampling read it unchanged.  A runner that
-needs the absolute logits adds the offset in float32.  It changes the interface on purpose
+Why it is safe: ``[x, -m] @ [W; 1] = x @ W - m`` exactly, whatever ``m`` is, so ``<output> +
+<output>_offset`` is the original logits up to float rounding, and ``<output>`` alone differs from
+them by one constant per row: argmax, softmax, log-softmax and sampling read it unchanged.  A runner
+that needs the absolute logits adds the offset in float32.  It changes the interface on purpose
 (one output more, one output shifted); verification maps the original outputs accordingly.
 
 Why: in fp16 the HTP's MatMul accumulates finer than fp16 but rounds its output to fp16, whose
 spacing at a logit of 16..32 is 0.0156: a margin of a few thousandths between the two most
-likely tokens is below what the rounded logits resolve.  Subtracting the row's maximum inside the
-accumulation puts the logits that decide the next token near 0, where fp16 resolves far finer.
-``tests/test_pass_logits_offset.py`` measures it on the HTP in fp16: the logits within 4 of their
-row's maximum come out well over 10x closer to fp32.
+likely tokens is below what the rounded logits resolve.  Subtracting (nearly) the row's maximum
+inside the accumulation puts the logits that decide the next token near 0, where fp16 resolves
+far finer.  ``tests/test_pass_logits_offset.py`` measures it on the HTP in fp16: the logits within
+4 of their row's maximum come out well over 10x closer to fp32.
 
-Cost: a second lm_head MatMul (and ReduceMax, Neg, Concat, Reshape) per call, so the lm_head's
-weight is read twice per call, and that weight stored twice (``W`` and ``W'``).  One ``W'`` for
+Cost: with every token as a candidate (``candidates=0``), a second lm_head MatMul per call, so
+the lm_head's weight is read twice per call and stored twice (``W`` and ``W'``).  One ``W'`` for
 both MatMuls (``Concat(x, 0)`` for the first) stores it once but still reads it twice, and the
 simulated HTP prepares or runs that form far slower (``python tools/probe_lm_head.py``,
-``docs/lm_head_forms.md``).  On a phone a decode step's time is the bytes it reads, so
-``qnnpasses llm`` leaves the logits plain unless asked (``--logits-offset``, fp16 pairs only: a
-quantized pair's logits have 16-bit steps set by calibration instead).
+``docs/lm_head_forms.md``).  ``candidates=N`` takes the offset from the first ``N`` tokens only:
+``N / V`` of the lm_head's bytes more instead of all of them.  Byte-pair and SentencePiece
+vocabularies number their tokens roughly by frequency (a merge learned earlier gets a lower id),
+so the most likely next token is often among the first ids; where it is not, ``m`` falls short of
+the row's maximum by that token's lead, and the top logits land at that lead instead of at 0:
+still finer than at their absolute value, never wrong (``docs/logits_offset.md`` measures how
+often and by how much on trained models: ``python tools/logits_candidates.py``).
+
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -52,10 +57,10 @@ from qnnpasses.ir.read import numpy_dtype
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
 from qnnpasses.passmanager.rewrite import (
     constant_value,
+    derived_constant,
     emit,
     emit_reshape,
     finish,
-    make_constant,
     make_reduce,
     producer,
     static_shape,
@@ -101,17 +106,23 @@ class LogitsOffset(Pass):
     name = "logits-offset"
     summary = "lm_head logits -> logits minus the row max (subtracted inside the MatMul) + an offset output"
     lossless = False  # the outputs change on purpose
-    contract = changes_interface("the logits become relative to their row's maximum, given as <output>_offset")
+    contract = changes_interface("the logits become relative to their row's maximum (over the candidate tokens), "
+                                 "given as <output>_offset")
 
     @dataclass
     class Options:
         output: str = ""  # the output to rewrite; "" = every output computed by an lm_head MatMul
+        candidates: int = field(default=0, metadata={
+            "help": "take the offset from the first N tokens only (N/V of the lm_head's bytes more "
+                    "instead of all of them); 0: every token"})
 
     def __init__(self, options=None, **values):
         super().__init__(options, **values)
         self._rewritten: dict[str, str] = {}  # output -> its offset output, for map_reference
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
+        if self.options.candidates < 0:
+            raise ValueError(f"candidates must be 0 (every token) or a positive count, not {self.options.candidates}")
         graph, self._rewritten = ir.graph, {}
         taken = set(graph.tensors())  # every tensor name: the offset output's must be new
         notes = []
@@ -128,11 +139,12 @@ class LogitsOffset(Pass):
                 if self.options.output:
                     notes.append(f"{output.name} kept: {why or 'its offset output name is taken'}")
                 continue
-            offset = self._rewrite(ir, ctx, node, output)
+            offset, candidates = self._rewrite(ir, ctx, node, output, self.options.candidates)
             graph.outputs.append(offset)
             taken.add(offset.name)
-            self._rewritten[output.name] = offset.name
-            notes.append(f"{output.name} relative to its row max, offset in {offset.name}")
+            self._rewritten[output.name] = (offset.name, candidates)
+            among = f"the max of its first {candidates} tokens" if candidates else "its row max"
+            notes.append(f"{output.name} relative to {among}, offset in {offset.name}")
         if self.options.output and self.options.output not in {t.name for t in graph.outputs}:
             notes.append(f"no output named {self.options.output}")
         if not self._rewritten:
@@ -141,15 +153,25 @@ class LogitsOffset(Pass):
         return PassResult(changed=True, stats={"outputs": len(self._rewritten)}, notes=notes)
 
     @staticmethod
-    def _rewrite(ir: IRModel, ctx: PassContext, node: gs.Node, output: gs.Tensor) -> gs.Tensor:
+    def _rewrite(ir: IRModel, ctx: PassContext, node: gs.Node, output: gs.Tensor,
+                 candidates: int) -> tuple[gs.Tensor, int]:
+        """The offset output, and how many leading tokens it is the maximum of (0: all)."""
         x, w_tensor, y = node.inputs[0], node.inputs[1], node.outputs[0]
-        w = constant_value(w_tensor)
-        augmented = make_constant(ir, ctx, f"{w_tensor.name}_with_ones",
-                                  np.concatenate([w, np.ones((1, w.shape[1]), w.dtype)], axis=0))
+        rows, vocab = (int(d) for d in w_tensor.shape)
+        candidates = candidates if 0 < candidates < vocab else 0
+        first_w, first_shape = w_tensor, static_shape(y)
+        # recipes where W is a mapped weight: [W; 1] and W's first columns are written, never held
+        if candidates:
+            first_w = derived_constant(ir, ctx, f"{w_tensor.name}_candidates", w_tensor,
+                                       lambda w: w[:, :candidates], shape=(rows, candidates))
+            first_shape = [*first_shape[:-1], candidates]
+        augmented = derived_constant(ir, ctx, f"{w_tensor.name}_with_ones", w_tensor,
+                                     lambda w: np.concatenate([w, np.ones((1, w.shape[1]), w.dtype)], axis=0),
+                                     shape=(rows + 1, vocab))
         x_shape, y_shape = static_shape(x), static_shape(y)
         column = (*x_shape[:-1], 1)
         wide = (*x_shape[:-1], x_shape[-1] + 1)
-        first = emit(ir, ctx, "MatMul", [x, w_tensor], hint="logits_first", dtype=y.dtype, shape=y_shape)
+        first = emit(ir, ctx, "MatMul", [x, first_w], hint="logits_first", dtype=y.dtype, shape=first_shape)
         row_max = make_reduce(ir, ctx, "ReduceMax", first, [-1], "logits_row_max")
         row_max.shape = list(column)
         negated = emit(ir, ctx, "Neg", [row_max], hint="logits_neg_max", dtype=x.dtype, shape=column)
@@ -158,12 +180,12 @@ class LogitsOffset(Pass):
         node.inputs[0], node.inputs[1] = shifted_in, augmented  # y = x @ W - m, still feeding the output
         offset = emit_reshape(ir, ctx, row_max, [*static_shape(output)[:-1], 1], hint="logits_offset")
         offset.name = offset_name(output.name)
-        return offset
+        return offset, candidates
 
     def map_reference(self, reference: dict, inputs: dict) -> dict:
         mapped = dict(reference)
-        for name, offset in self._rewritten.items():
+        for name, (offset, candidates) in self._rewritten.items():
             logits = np.asarray(reference[name])
-            row_max = logits.max(axis=-1, keepdims=True)
+            row_max = (logits[..., :candidates] if candidates else logits).max(axis=-1, keepdims=True)
             mapped[name], mapped[offset] = logits - row_max, row_max
         return mapped

@@ -109,29 +109,31 @@ def mapped_source(values) -> ExternalSource | None:
     return None
 
 
-def derived_from(values: np.ndarray | DerivedValues, transform, *, dtype=None) -> np.ndarray | DerivedValues:
+def derived_from(values: np.ndarray | DerivedValues, transform, *, dtype=None,
+                 shape: tuple[int, ...] | None = None) -> np.ndarray | DerivedValues:
     """``transform(values)`` for a new constant: a lazy recipe when ``values`` is a weight
     mapped from an external file or itself a recipe (the two compose), else computed now.
     ``transform`` must be a pure function of its input array (reshape, transpose, slicing,
     arithmetic, a product with a fixed matrix).  ``dtype``: the output dtype of a ``transform``
     whose output keeps the input's shape (a widening ``astype``, ``W·R`` with a square ``R``);
-    then the shape is known without running it, else it is learnt on a zero-strided stand-in."""
+    then the shape is known without running it, else it is learnt on a zero-strided stand-in
+    (``shape``: the output's, for a ``transform`` that would allocate it, as a concatenation does)."""
     if isinstance(values, DerivedValues):
-        shape, in_dtype = tuple(values.shape), np.dtype(values.dtype)
-        ghost = np.lib.stride_tricks.as_strided(np.zeros(1, in_dtype), shape=shape, strides=(0,) * len(shape))
-        out_shape = shape if dtype is not None else np.shape(transform(ghost))
+        in_shape, in_dtype = tuple(values.shape), np.dtype(values.dtype)
+        ghost = np.lib.stride_tricks.as_strided(np.zeros(1, in_dtype), shape=in_shape, strides=(0,) * len(in_shape))
+        out_shape = shape or (in_shape if dtype is not None else np.shape(transform(ghost)))
         return DerivedValues(out_shape, dtype or in_dtype, lambda: np.ascontiguousarray(transform(values.load())))
     source = mapped_source(values)
     if source is None:
         return np.ascontiguousarray(transform(values))
-    shape = values.shape
+    in_shape = values.shape
     # zero strides: the transformed shape without touching (or allocating) any data
-    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, values.dtype), shape=shape, strides=(0,) * len(shape))
-    out_shape = np.shape(transform(ghost)) if dtype is None else shape
+    ghost = np.lib.stride_tricks.as_strided(np.zeros(1, values.dtype), shape=in_shape, strides=(0,) * len(in_shape))
+    out_shape = shape or (np.shape(transform(ghost)) if dtype is None else in_shape)
     source_dtype, dtype = values.dtype, np.dtype(dtype or values.dtype)
 
     def compute() -> np.ndarray:
-        fresh = np.memmap(source.path, dtype=source_dtype, mode="r", offset=source.offset, shape=shape)
+        fresh = np.memmap(source.path, dtype=source_dtype, mode="r", offset=source.offset, shape=in_shape)
         return np.ascontiguousarray(transform(fresh))
 
     return DerivedValues(out_shape, dtype, compute)

@@ -141,7 +141,7 @@ def make_constant(ir: IRModel, ctx: PassContext, prefix: str, value) -> gs.Const
 
 
 def derived_constant(ir: IRModel, ctx: PassContext, prefix: str, tensor: gs.Tensor, transform, *,
-                     same_shape: bool = False) -> gs.Constant:
+                     same_shape: bool = False, shape: tuple[int, ...] | None = None) -> gs.Constant:
     """A new constant ``transform(value of tensor)`` with a fresh name, computed when it is read
     (a recipe) where ``tensor`` is a mapped weight or a recipe itself, else now.
 
@@ -149,11 +149,12 @@ def derived_constant(ir: IRModel, ctx: PassContext, prefix: str, tensor: gs.Tens
     otherwise hold all of them in memory until the model is written; a recipe is computed
     one tensor at a time as it is saved or run.  ``transform`` as in
     :func:`~qnnpasses.ir.model.derived_from`; ``same_shape``: it keeps the value's shape and
-    dtype, so it need not run to learn them."""
+    dtype, so it need not run to learn them; ``shape``: the output's, for a ``transform`` that keeps
+    the dtype but would allocate its output to tell its shape (a concatenation)."""
     lazy = isinstance(tensor, gs.Constant) and isinstance(tensor._values, DerivedValues)
     values = tensor._values if lazy else constant_value(tensor)
     dtype = np.dtype(values.dtype) if same_shape else None  # a recipe knows its dtype as an array does
-    return gs.Constant(ctx.unique_name(ir, prefix), derived_from(values, transform, dtype=dtype))
+    return gs.Constant(ctx.unique_name(ir, prefix), derived_from(values, transform, dtype=dtype, shape=shape))
 
 
 def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor], *, name_hint: str,
