@@ -91,8 +91,9 @@ def test_cache_is_outside_the_graph_and_outputs_are_new_kv_only(name, built):
         past = set(roles["past_key"] + roles["past_value"])
         assert not [n.name for n in proto.graph.node if n.op_type == "Concat" and past & set(n.input)]
         outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in proto.graph.output}
-        assert roles["logits_offset"] is None  # plain logits by default (--logits-offset adds the offset)
-        assert set(outputs) == {roles["logits"], *roles["new_key"], *roles["new_value"]}
+        # fp16: the logits relative to the first tokens' maximum by default, which logits_offset holds
+        assert roles["logits_offset"] == "logits_offset" and outputs["logits_offset"] == [1, graph["tokens"], 1]
+        assert set(outputs) == {roles["logits"], roles["logits_offset"], *roles["new_key"], *roles["new_value"]}
         assert outputs[roles["logits"]] == [1, graph["tokens"], manifest["vocab"]]
         for new in roles["new_key"] + roles["new_value"]:
             assert outputs[new] == [1, heads, graph["tokens"], dim]
@@ -147,11 +148,12 @@ def test_graphs_run_on_the_htp_as_one_partition(name, graph_name, built, tmp_pat
 
 def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
     """fp16 pairs get FP16_PIPELINE after htp-llm (scale-residual first): no Softmax or Sigmoid left, each spelled out
-    (one floored Exp per layer's attention, one Tanh per layer's SiLU), then tied-embedding; the
-    spec records it.  No logits-offset unless asked for (one lm_head MatMul, no offset output)."""
+    (one floored Exp per layer's attention, one Tanh per layer's SiLU), then logits-offset over the
+    first eighth of this small vocabulary's tokens (at most 4096) and tied-embedding; the spec records it."""
     from collections import Counter
 
     from qnnpasses.llm.convert import FP16_PIPELINE, LOGITS_OFFSET, fp16_passes
+    from qnnpasses.llm.manifest import default_offset_candidates
 
     manifest = built("llama_gqa_kv_dyn_ts")
     layers = manifest["layers"]
@@ -163,9 +165,16 @@ def test_fp16_pair_has_the_forms_the_htp_computes_closer_to_fp32(built):
         # the decode graph takes the prefill graph's residual shift (0: this stream needs none)
         shift = None if graph_name == "prefill" else 0
         pipeline = FP16_PIPELINE.replace("scale-residual", "scale-residual{shift=0}") if shift == 0 else FP16_PIPELINE
-        assert spec.endswith(f",{pipeline},tied-embedding") and LOGITS_OFFSET not in spec
-        assert spec.endswith("," + fp16_passes("logits", residual_shift=shift).to_text())
-        assert manifest["graphs"][graph_name]["roles"]["logits_offset"] is None
+        candidates = default_offset_candidates(manifest["vocab"])
+        assert candidates == manifest["vocab"] // 8
+        assert spec.endswith(f",{pipeline},{LOGITS_OFFSET}{{output=logits,candidates={candidates}}},tied-embedding")
+        assert spec.endswith("," + fp16_passes("logits", True, residual_shift=shift, offset_candidates=candidates).to_text())
+        assert manifest["graphs"][graph_name]["roles"]["logits_offset"] == "logits_offset"
+        weights = {i.name: list(i.dims) for i in proto.graph.initializer}
+        heads = sorted(weights[n.input[1]][-1] for n in proto.graph.node
+                       if n.op_type == "MatMul" and n.input[1] in weights and weights[n.input[1]][-1] >= candidates
+                       and weights[n.input[1]][-1] in (candidates, manifest["vocab"]))
+        assert heads == [candidates, manifest["vocab"]]  # the candidates' slice of the lm_head, and the lm_head
 
 
 @requires_htp
@@ -269,6 +278,43 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert "Traceback" not in err
     assert not out.exists() and not list(tmp_path.glob(".pair.*"))
     assert fixture_path(args[0]).read_bytes() == before
+
+
+@pytest.mark.parametrize("value", ["0", "half", "-3"])
+def test_a_bad_logits_offset_is_one_usage_line_and_exit_2(value, capsys):
+    from qnnpasses.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["llm", str(fixture_path("llama_gqa_kv_dyn_ts")), "--out-dir", "unused", "--context", "64", "--prefill", "8",
+              "--logits-offset", value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("qnnpasses llm: error: argument --logits-offset: expected a positive number of tokens, "
+                          f"'all' or 'none', got '{value}'"), err
+
+
+@pytest.mark.parametrize("flag, want", [
+    ([], (True, None)), (["--logits-offset"], (True, 0)), (["--logits-offset", "all"], (True, 0)),
+    (["--logits-offset", "512"], (True, 512)), (["--logits-offset", "none"], (False, None)),
+    (["--plain-logits"], (False, None)),
+])
+def test_logits_offset_flag_reaches_the_build(flag, want, monkeypatch):
+    """``--logits-offset`` as ``build`` gets it: the default (None: 4096 at most V / 8), every token,
+    a count, or plain logits (``none``; the old ``--plain-logits`` still says it)."""
+    import qnnpasses.llm.convert as convert
+    from qnnpasses.cli import main
+
+    seen = {}
+
+    def build(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(convert, "build", build)
+    with pytest.raises(SystemExit):
+        main(["llm", str(fixture_path("llama_gqa_kv_dyn_ts")), "--out-dir", "unused", "--context", "64", "--prefill", "8",
+              *flag])
+    assert (seen["logits_offset"], seen["offset_candidates"]) == want
 
 
 def _boundary_qparams(path, tensor: str, op: str):
@@ -396,31 +442,40 @@ def test_the_runner_s_sessions_hook_makes_every_session(built):
 
 
 def test_logits_offset_pair_gives_the_plain_pair_s_logits_plus_its_offset(built):
-    """``--logits-offset``: the offset output named by the manifest, the spec records the pass; its
-    logits plus its offset are the plain (default) pair's logits (CPU, float32 rounding) and
-    every row's largest shifted logit is 0."""
+    """``--logits-offset all`` and the default (the first tokens as candidates): the offset output
+    named by the manifest, the spec records the pass; logits plus offset are the plain pair's
+    (``--logits-offset none``) logits (CPU, float32 rounding); the offset is the maximum of every
+    token's logits, or of the candidates'."""
     from qnnpasses.llm.convert import LOGITS_OFFSET, fp16_passes
     from qnnpasses.llm.manifest import absolute_logits
 
-    offset = built("llama_gqa_kv_dyn_ts", logits_offset=True, compile=False, probe=False)
-    plain = built("llama_gqa_kv_dyn_ts")
+    every = built("llama_gqa_kv_dyn_ts", offset_candidates=0, compile=False, probe=False)
+    plain = built("llama_gqa_kv_dyn_ts", logits_offset=False, compile=False, probe=False)
+    default = built("llama_gqa_kv_dyn_ts")
+    candidates = json.loads((manifest_dir(default) / "report.json").read_text())["logits_offset"]["candidates"]
+    assert json.loads((manifest_dir(every) / "report.json").read_text())["logits_offset"] == {"candidates": 0}
+    assert "logits_offset" not in json.loads((manifest_dir(plain) / "report.json").read_text())
     rng = np.random.default_rng(5)
     for graph_name in ("prefill", "decode"):
-        graph, plain_graph = offset["graphs"][graph_name], plain["graphs"][graph_name]
-        assert graph["roles"]["logits_offset"] == "logits_offset"
-        proto = onnx.load(str(part_paths(offset, graph_name, compiled=False)[0]))
-        assert [o.name for o in proto.graph.output].count("logits_offset") == 1
-        spec = {p.key: p.value for p in proto.metadata_props}["qnnpasses.passmanager.spec"]
-        assert f",{LOGITS_OFFSET}{{output=logits}},tied-embedding" in spec
-        shift = None if graph_name == "prefill" else 0
-        assert spec.endswith("," + fp16_passes("logits", True, residual_shift=shift).to_text())
-        cache = {n: rng.standard_normal((1, offset["kv_heads"], CONTEXT, offset["head_dim"])).astype(np.float32)
-                 for n in graph["roles"]["past_key"] + graph["roles"]["past_value"]}
-        feed = static_feed(graph, list(range(5, 5 + graph["tokens"])), 7, cache)
-        got = PartsRunner(offset["dir"], graph)(feed)
+        plain_graph = plain["graphs"][graph_name]
+        assert plain_graph["roles"]["logits_offset"] is None
+        cache = {n: rng.standard_normal((1, plain["kv_heads"], CONTEXT, plain["head_dim"])).astype(np.float32)
+                 for n in plain_graph["roles"]["past_key"] + plain_graph["roles"]["past_value"]}
+        feed = static_feed(plain_graph, list(range(5, 5 + plain_graph["tokens"])), 7, cache)
         want = PartsRunner(plain["dir"], plain_graph)(feed)["logits"]
-        np.testing.assert_allclose(absolute_logits(got, graph["roles"]), want, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(got["logits"].max(-1), 0, atol=1e-6)
+        for offset, count in ((every, 0), (default, candidates)):
+            graph = offset["graphs"][graph_name]
+            assert graph["roles"]["logits_offset"] == "logits_offset"
+            proto = onnx.load(str(part_paths(offset, graph_name, compiled=False)[0]))
+            assert [o.name for o in proto.graph.output].count("logits_offset") == 1
+            spec = {p.key: p.value for p in proto.metadata_props}["qnnpasses.passmanager.spec"]
+            options = f"output=logits,candidates={count}" if count else "output=logits"
+            assert f",{LOGITS_OFFSET}{{{options}}},tied-embedding" in spec
+            shift = None if graph_name == "prefill" else 0
+            assert spec.endswith("," + fp16_passes("logits", True, residual_shift=shift, offset_candidates=count).to_text())
+            got = PartsRunner(offset["dir"], graph)(feed)
+            np.testing.assert_allclose(absolute_logits(got, graph["roles"]), want, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(got["logits_offset"][..., 0], want[..., :count or None].max(-1), atol=1e-5)
 
 
 def test_max_part_bytes_budget_gives_parts_within_it(built):

@@ -146,25 +146,35 @@ def test_fp16_ties_sentence_counts_margins_below_fp16_resolution():
             "largest margin lost is 4.3σ") in text
 
 
-def test_offset_note_sets_what_logits_offset_buys_against_its_bytes():
-    """The sentence on ``--logits-offset``: both pairs' greedy figures and the difference of their
-    footprints, from the results (none typed in); nothing without both runs."""
+def test_offset_note_sets_what_each_form_of_the_logits_buys_against_its_bytes():
+    """The sentence on the logits' forms: each pair's greedy figures and its footprint, labelled by
+    what its build did (plain, the offset over the first tokens, over every token), from the results
+    (none typed in); nothing with fewer than two forms measured."""
     def run(leading: float, top1: float, sigma: float) -> dict:
         return {"identical_leading_mean": leading, "top1": top1, "margin_shift_std": sigma}
 
-    def device(total: int, read: int, ceiling: float) -> dict:
-        return {"device": {"device_bytes": total, "decode_step_read_bytes": read,
-                           "decode_tokens_per_second_ceiling": ceiling, "target": "8elite"}}
+    def build(total: int, read: int, ceiling: float, **offset) -> dict:
+        return {**offset, "device": {"device_bytes": total, "decode_step_read_bytes": read,
+                                     "decode_tokens_per_second_ceiling": ceiling, "target": "8elite"}}
 
     mib = 2 ** 20
     doc = {"exports": {"kv_ts": {
-        "runs": {"fp16-offset:greedy": run(27.25, 0.984, 0.038), "fp16:greedy": run(26.5, 0.979, 0.04)},
-        "builds": {"fp16-offset": device(1600 * mib, 800 * mib, 105.9), "fp16": device(1100 * mib, 550 * mib, 154.1)}}}}
+        "runs": {"fp16-offset:greedy": run(32.0, 1.0, 0.010), "fp16:greedy": run(32.0, 1.0, 0.011),
+                 "fp16-plain:greedy": run(24.0, 0.995, 0.012)},
+        "builds": {"fp16-offset": build(736 * mib, 330 * mib, 352.5, logits_offset=True, offset_candidates=0),
+                   "fp16": build(632 * mib, 280 * mib, 410.0, logits_offset=True, offset_candidates=4096),
+                   "fp16-plain": build(627 * mib, 275 * mib, 413.7, logits_offset=False)}}}}
     text = le._offset_note(doc)
-    assert ("TorchScript: with it 27.25 identical leading tokens, top-1 98.4% (fp32's top-2 margin moved by σ "
-            "0.038); with plain logits 26.50, top-1 97.9% (fp32's top-2 margin moved by σ 0.040). Its second "
-            "lm_head takes 500 MiB more of the device's memory (1,600 MiB against 1,100) and 250 MiB more read "
-            "per decode step: a memory-bandwidth ceiling of 105.9 tokens/s on the Snapdragon 8 Elite against "
-            "154.1.") in text
-    del doc["exports"]["kv_ts"]["runs"]["fp16-offset:greedy"]
+    assert ("TorchScript: fp16, plain logits: 24.00 identical leading tokens, top-1 99.5% (fp32's top-2 margin "
+            "moved by σ 0.012), 627 MiB on the device, 275 MiB read per decode step (a memory-bandwidth ceiling "
+            "of 413.7 tokens/s on the Snapdragon 8 Elite); fp16, logits-offset (first 4,096 tokens): 32.00 "
+            "identical leading tokens, top-1 100.0% (fp32's top-2 margin moved by σ 0.011), 632 MiB on the "
+            "device, 280 MiB read per decode step (a memory-bandwidth ceiling of 410.0 tokens/s on the "
+            "Snapdragon 8 Elite); fp16, logits-offset (every token): 32.00") in text
+    # an earlier fp16 pair with the offset recorded no candidates: it took every token
+    assert le._label(doc["exports"]["kv_ts"], "fp16-offset") == "fp16, logits-offset (every token)"
+    del doc["exports"]["kv_ts"]["builds"]["fp16-offset"]["offset_candidates"]
+    assert le._label(doc["exports"]["kv_ts"], "fp16-offset") == "fp16, logits-offset (every token)"
+    for name in ("fp16-offset", "fp16"):
+        del doc["exports"]["kv_ts"]["runs"][f"{name}:greedy"]
     assert le._offset_note(doc) == ""

@@ -23,8 +23,10 @@ TorchScript exporter, ``kv_dynamo`` by the dynamo exporter; trained weights, dyn
    (computing in fp32), and the Hugging Face model in torch float16 / bfloat16 on the CPU, each
    generating greedily with its own growing cache (identical leading tokens) and teacher-forced
    on the prompt + the original's tokens (top-1): whether the target is within reach of fp16 at all;
-6. with ``fp16-offset`` in ``--precisions``: the fp16 pair built with ``--logits-offset`` and measured
-   as the fp16 pair is, beside it: what the offset buys, and its bytes from the two builds' footprints.
+6. ``fp16`` is the pair as ``qnnpasses llm`` builds it (its logits offset by the first tokens'
+   maximum); with ``fp16-offset`` / ``fp16-plain`` in ``--precisions`` also the pair built with
+   ``--logits-offset all`` / ``none``, measured as the fp16 pair is, beside it: what each form of the
+   logits buys, and its bytes from the builds' footprints.
 
 A quantized pair built by an earlier quantization recipe than the current one says so in the tables
 (``--doc-only`` rewrites the Markdown from the JSON with the current code's labels).
@@ -194,10 +196,11 @@ class TorchModel:
         return self._feed(list(ids), self.empty)[0]
 
 
-#: The fp16 pair built with ``qnnpasses llm --logits-offset``: what the offset buys.
-OFFSET = "fp16-offset"
-PRECISION_LABELS = {OFFSET: "fp16, logits-offset"}
-FLOAT = ("fp16", OFFSET)
+#: The fp16 pair as ``qnnpasses llm`` builds it by default (``fp16``: logits-offset over the first
+#: tokens), with ``--logits-offset all`` (every token) and with ``--logits-offset none`` (plain
+#: logits): what each form of the offset buys and costs.  name -> ``build`` keyword arguments.
+OFFSET, PLAIN = "fp16-offset", "fp16-plain"
+FLOAT = {"fp16": {}, OFFSET: {"offset_candidates": 0}, PLAIN: {"logits_offset": False}}
 #: Off-HTP runs of the same prompts that bound what fp16 can do (:func:`ceiling_model`).
 CEILINGS = {"fp16-weights": "original export, weights rounded to fp16, computing in fp32 (onnxruntime CPU)",
             "torch-fp16": "Hugging Face model in torch float16 (CPU)",
@@ -338,7 +341,9 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
 
     manifest_path = out / "llm.json"
     seconds = None
-    offset = precision == OFFSET  # an fp16 pair built with --logits-offset
+    from qnnpasses.llm.manifest import default_offset_candidates
+
+    form = FLOAT.get(precision, {})  # an fp16 pair's form of the logits (--logits-offset)
     precision = "fp16" if precision in FLOAT else precision
     fresh = reuse and manifest_path.exists()
     if fresh:
@@ -350,14 +355,16 @@ def build_pair(export: Path, out: Path, precision: str, context: int, prefill: i
         else:
             first = onnx.load(str(out / old["graphs"]["prefill"]["parts"][0]["onnx"]), load_external_data=False)
             spec = {p.key: p.value for p in first.metadata_props}.get("qnnpasses.passmanager.spec", "")
-            fresh = fresh and spec.endswith("," + fp16_passes(old["source_roles"]["logits"], offset).to_text())
+            candidates = form.get("offset_candidates", default_offset_candidates(old["vocab"]))
+            fresh = fresh and spec.endswith("," + fp16_passes(old["source_roles"]["logits"], form.get("logits_offset", True),
+                                                              offset_candidates=candidates).to_text())
         if compile:
             fresh = fresh and all(p.get("compiled") for g in old["graphs"].values() for p in g["parts"])
     if not fresh:
         start = time.monotonic()
         calib = tf.DEFAULT_CACHE / f"{MODEL}.calib.npz" if precision != "fp16" else None
         build(export, out, context=context, prefill=prefill, precision=precision, calib=calib, compile=compile,
-              logits_offset=offset)
+              **form)
         seconds = round(time.monotonic() - start, 1)
     report = json.loads((out / "report.json").read_text())
     return {"manifest": load_manifest(out), "report": report, "build_seconds": seconds or report.get("seconds")}
@@ -488,7 +495,11 @@ def _fp16_ties(doc: dict[str, Any]) -> str:
     if shifted and all(shifted):
         stds = [r.get("margin_shift_std") for r in fp16]
         sigma = max(stds) if None not in stds else None
-        text += (". The pair's logits come out relative to their row's maximum (`logits-offset`), where fp16 "
+        counts = [res.get("builds", {}).get("fp16", {}).get("offset_candidates") for res in doc["exports"].values()
+                  if "fp16:greedy" in res["runs"]]
+        among = ("the maximum of their first tokens' logits (`logits-offset`), which is the row's maximum wherever "
+                 "the top token is among them" if any(counts) else "their row's maximum (`logits-offset`)")
+        text += (f". The pair's logits come out relative to {among}, where fp16 "
                  f"resolves the runner-up of such a margin to {max(float(np.spacing(np.float16(d['fp32_margin']))) for d in differing):.1g} "
                  "or finer: what flips it is the fp16 error the activations accumulate before the lm_head")
         if sigma is not None:
@@ -507,31 +518,30 @@ def _fp16_ties(doc: dict[str, Any]) -> str:
 
 
 def _offset_note(doc: dict[str, Any]) -> str:
-    """What ``--logits-offset`` buys (the fp16 pair with and without it, on the same prompts) and
-    what it costs (device bytes and bytes read per decode step, from the two builds' footprints)."""
+    """What each form of the logits buys (the fp16 pair built plain, with the default offset over the
+    first tokens, with the offset over every token, on the same prompts) and what it costs (device
+    bytes and bytes read per decode step, from each build's footprint)."""
     from qnnpasses.backends.targets import resolve
 
     notes = []
     for name, res in doc["exports"].items():
-        runs = [res["runs"].get(f"{p}:greedy") for p in (OFFSET, "fp16")]
-        builds = [res.get("builds", {}).get(p, {}).get("device") or {} for p in (OFFSET, "fp16")]
-        if not all(r and "error" not in r for r in runs) or not all(b.get("device_bytes") for b in builds):
+        forms = []
+        for precision in (PLAIN, "fp16", OFFSET):
+            run = res["runs"].get(f"{precision}:greedy")
+            device = (res.get("builds", {}).get(precision) or {}).get("device") or {}
+            if run and "error" not in run and device.get("device_bytes"):
+                forms.append((_label(res, precision), run, device))
+        if len(forms) < 2:
             continue
-        (on, off), (big, small) = runs, builds
-        sigma = [f" (fp32's top-2 margin moved by σ {r['margin_shift_std']:.3f})" if "margin_shift_std" in r else ""
-                 for r in runs]
-        notes.append(
-            f"{_name(name)}: with it {on['identical_leading_mean']:.2f} identical leading tokens, top-1 "
-            f"{_pct(on['top1'])}{sigma[0]}; with plain logits {off['identical_leading_mean']:.2f}, top-1 "
-            f"{_pct(off['top1'])}{sigma[1]}. Its second lm_head takes "
-            f"{(big['device_bytes'] - small['device_bytes']) / 2**20:,.0f} MiB more of the device's memory "
-            f"({big['device_bytes'] / 2**20:,.0f} MiB against {small['device_bytes'] / 2**20:,.0f}) and "
-            f"{(big['decode_step_read_bytes'] - small['decode_step_read_bytes']) / 2**20:,.0f} MiB more read per decode "
-            f"step: a memory-bandwidth ceiling of {big['decode_tokens_per_second_ceiling']} tokens/s on the "
-            f"{resolve(big['target']).product} "
-            f"against {small['decode_tokens_per_second_ceiling']}")
-    return ("`--logits-offset`, what it buys and what it costs (the fp16 pair built with it, beside the default "
-            "plain one). " + "; ".join(notes) + ".") if notes else ""
+        product = resolve(forms[0][2]["target"]).product
+        notes.append(f"{_name(name)}: " + "; ".join(
+            f"{label}: {run['identical_leading_mean']:.2f} identical leading tokens, top-1 {_pct(run['top1'])}"
+            + (f" (fp32's top-2 margin moved by σ {run['margin_shift_std']:.3f})" if "margin_shift_std" in run else "")
+            + f", {device['device_bytes'] / 2**20:,.0f} MiB on the device, "
+            f"{device['decode_step_read_bytes'] / 2**20:,.0f} MiB read per decode step (a memory-bandwidth ceiling of "
+            f"{device['decode_tokens_per_second_ceiling']} tokens/s on the {product})" for label, run, device in forms))
+    return ("The logits' forms, what each buys and what it costs (the fp16 pair built with each, on the same "
+            "prompts). " + ". ".join(notes) + ".") if notes else ""
 
 
 def _overflow_verdict(bf16: list[dict], htp: list[dict], turned: list[float], target: int, new_tokens: int) -> str:
@@ -589,9 +599,17 @@ def _label(res: dict[str, Any], precision: str) -> str:
 
     build = res.get("builds", {}).get(precision) or {}
     recipe = (build.get("quantization") or {}).get("recipe")
-    # an fp16 pair of the time logits-offset was on by default
-    label = PRECISION_LABELS.get(OFFSET if precision == "fp16" and build.get("logits_offset") else precision, precision)
+    label = _float_form(build) if precision in FLOAT else precision
     return label if recipe in (None, RECIPE) else f"{label} (recipe {recipe}; `qnnpasses llm` now builds recipe {RECIPE})"
+
+
+def _float_form(build: dict[str, Any]) -> str:
+    """An fp16 pair's label, from what its build did to the logits (a build that records no candidates
+    offset every token: the only form there was)."""
+    if not build.get("logits_offset"):
+        return "fp16, plain logits"
+    count = build.get("offset_candidates")
+    return f"fp16, logits-offset (first {count:,} tokens)" if count else "fp16, logits-offset (every token)"
 
 
 def _accuracy_rows(doc: dict[str, Any]) -> list[str]:
@@ -745,7 +763,7 @@ def render(doc: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- main
 
 
-RUNS = {"fp16": ("greedy",), OFFSET: ("greedy",), "w8a16": ("text",), "w4a16": ("text",)}
+RUNS = {"fp16": ("greedy",), OFFSET: ("greedy",), PLAIN: ("greedy",), "w8a16": ("text",), "w4a16": ("text",)}
 
 
 def _cached(path: Path, key: dict[str, Any], reuse: bool, compute) -> Any:
@@ -806,6 +824,7 @@ def evaluate_export(exporter: str, args: argparse.Namespace, items: list[dict]) 
         res["builds"][precision] = {"build_seconds": built["build_seconds"],
                                     "weight_sharing": built["manifest"]["weight_sharing"],
                                     "logits_offset": bool(built["manifest"]["graphs"]["decode"]["roles"].get("logits_offset")),
+                                    "offset_candidates": (built["report"].get("logits_offset") or {}).get("candidates"),
                                     "device": {k: (built["report"].get("device") or {}).get(k) for k in
                                                ("device_bytes", "decode_step_read_bytes", "decode_tokens_per_second_ceiling",
                                                 "target")}}

@@ -12,6 +12,7 @@ import json
 
 from qnnpasses.commands.common import add_deprecated, add_format_arg
 from qnnpasses.errors import BadInputError
+from qnnpasses.llm.manifest import OFFSET_CANDIDATES
 from qnnpasses.units import parse_size
 
 
@@ -50,11 +51,15 @@ def register(subparsers) -> None:
     p.add_argument("--keep-float", dest="keep_float", action="store_true",
                    help="w8a16|w4a16: keep the float pair the quantized graphs were made from (X.float.onnx) in "
                         "the bundle, a reference for accuracy work (every weight again in float32)")
-    p.add_argument("--logits-offset", dest="logits_offset", action="store_true",
-                   help="fp16: output the logits relative to their row's maximum, subtracted inside the lm_head's "
-                        "accumulation, with a logits_offset output (the top logits at fp16's fine resolution; costs "
-                        "a second lm_head MatMul and its weight, read on every call)")
-    add_deprecated(p, "--plain-logits", "logits_offset", "no option: plain logits are the default", value=False)
+    p.add_argument("--logits-offset", dest="logits_offset", type=_logits_offset, nargs="?", const=0,
+                   metavar="N|all|none",
+                   help="fp16: output the logits relative to the maximum of the first N tokens' logits, subtracted "
+                        "inside the lm_head's accumulation, with a logits_offset output: the logits that decide the "
+                        "next token at fp16's fine resolution near 0, for N/V of the lm_head's bytes more "
+                        f"(docs/logits_offset.md). Default: {OFFSET_CANDIDATES}, at most an eighth of the "
+                        "vocabulary; 'all' (or no value): every token, a second lm_head read on every call; "
+                        "'none': plain logits")
+    add_deprecated(p, "--plain-logits", "logits_offset", "--logits-offset none", value=PLAIN_LOGITS)
     p.add_argument("--roles", metavar="ROLE=NAME,...",
                    help="name the export's inputs/outputs where the graph leaves them ambiguous "
                         "(roles: input_ids, attention_mask, position_ids, logits)")
@@ -68,6 +73,26 @@ def register(subparsers) -> None:
                         "take Genie's inputs)")
     add_format_arg(p)
     p.set_defaults(func=main)
+
+
+#: ``--logits-offset none``
+PLAIN_LOGITS = -1
+
+
+def _logits_offset(text: str) -> int:
+    """``--logits-offset``: a number of candidate tokens, ``all`` (0: every token) or ``none`` (-1)."""
+    import argparse
+
+    word = text.strip().lower()
+    if word in ("all", "none"):
+        return 0 if word == "all" else PLAIN_LOGITS
+    try:
+        count = int(word)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens, 'all' or 'none', got '{text}'")
+    return count
 
 
 def _int4_blocks(text: str) -> int:
@@ -106,7 +131,9 @@ def main(args) -> int:
     max_part_bytes = parse_size(args.max_part_bytes) if args.max_part_bytes is not None else None
     manifest = build(args.model, args.out_dir, context=args.context, prefill=args.prefill, precision=args.precision,
                      calib=args.calib, parts=args.parts, max_part_bytes=max_part_bytes, compile=args.compile,
-                     logits_offset=args.logits_offset, roles=parse_roles(args.roles), tokenizer=args.tokenizer,
+                     logits_offset=args.logits_offset != PLAIN_LOGITS,
+                     offset_candidates=None if args.logits_offset in (None, PLAIN_LOGITS) else args.logits_offset,
+                     roles=parse_roles(args.roles), tokenizer=args.tokenizer,
                      bundle=args.bundle, keep_float=args.keep_float, int4_blocks=args.int4_blocks)
     if args.format == "json":
         print(json.dumps(manifest, indent=2))

@@ -14,12 +14,13 @@ original export:
 2. the ``htp-llm`` pipeline, then for fp16 pairs :data:`FP16_PIPELINE` (``scale-residual``: a
    residual stream past fp16's range carried at 2^-k, the decode graph given the prefill graph's
    k; ``silu-tanh``, ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in
-   fp16 mode), ``logits-offset`` on the logits output when ``logits_offset`` is set
-   (``--logits-offset``; off by default, as it reads the lm_head's weight twice per call:
-   ``docs/lm_head_forms.md``): the logits relative to their row's maximum, subtracted before the
-   lm_head's fp16 rounding, plus that maximum as ``<logits>_offset``, which the manifest's
-   ``logits_offset`` role names; then ``tied-embedding`` (a tied token embedding read from the
-   lm_head's weight, so the bundle stores the table once);
+   fp16 mode), ``logits-offset`` on the logits output unless ``logits_offset`` is false
+   (``--logits-offset none``): the logits relative to the maximum of the first
+   ``offset_candidates`` tokens' logits (:data:`~qnnpasses.llm.manifest.OFFSET_CANDIDATES`; 0: every
+   token's, which reads the lm_head's weight twice per call: ``docs/lm_head_forms.md``), subtracted
+   before the lm_head's fp16 rounding, plus that maximum as ``<logits>_offset``, which the
+   manifest's ``logits_offset`` role names (``docs/logits_offset.md``); then ``tied-embedding`` (a
+   tied token embedding read from the lm_head's weight, so the bundle stores the table once);
 3. a check on onnxruntime CPU against the original dynamic export over a chunked prompt and
    decode steps (the static graph with a padded cache must compute what the original computes
    with the unpadded one);
@@ -51,7 +52,7 @@ from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.kv_roles import Roles
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import IRModel, remove_model, save_model
-from qnnpasses.llm.manifest import FORMAT, write_manifest
+from qnnpasses.llm.manifest import FORMAT, default_offset_candidates, write_manifest
 from qnnpasses.llm.roles import export_roles, lower_contrib, pass_records, roles_dict
 from qnnpasses.llm.source import model_file
 from qnnpasses.llm.tokenizer import COMPANION_FILES, TOKENIZER_FILE, TokenizerError, check_tokenizer, copy_tokenizer, find_tokenizer_dir
@@ -86,7 +87,8 @@ LOGITS_OFFSET = "logits-offset"
 PRECISIONS = ("fp16", "w8a16", "w4a16")
 
 
-def fp16_passes(logits: str, logits_offset: bool = False, residual_shift: int | None = None) -> Pipeline:
+def fp16_passes(logits: str, logits_offset: bool = False, residual_shift: int | None = None,
+                offset_candidates: int = 0) -> Pipeline:
     """What an fp16 pair gets after htp-llm: :data:`FP16_PIPELINE`, then (with ``logits_offset``)
     ``logits-offset`` on the output named ``logits``, then ``tied-embedding``.  (Quantized pairs do
     not share the table: the lm_head's weight is quantized for the lm_head, not for the lookup.)
@@ -96,7 +98,7 @@ def fp16_passes(logits: str, logits_offset: bool = False, residual_shift: int | 
     if residual_shift is not None:
         pipeline = pipeline.with_options("scale-residual", shift=residual_shift)
     if logits_offset:
-        pipeline.items.append(get_pass(LOGITS_OFFSET)(output=logits))
+        pipeline.items.append(get_pass(LOGITS_OFFSET)(output=logits, candidates=offset_candidates))
     pipeline.items.append(get_pass("tied-embedding")())
     return pipeline
 
@@ -135,13 +137,16 @@ class LlmOptions:
     verify_tokens: int = 8
     #: ask the HTP (when installed): each graph's placement, and w4a16's int4 grid (qnnpasses.llm.int4_blocks)
     probe: bool = True
-    logits_offset: bool = False
+    logits_offset: bool = True
     cache_fp16: bool = True
     bundle: str = "qnnpasses"
     keep_float: bool = False
     #: w4a16: input rows per int4 scale (0: one scale per output channel); None: the precision's own (32)
     #: where the HTP prepares the first layer so, else per output channel (qnnpasses.llm.int4_blocks)
     int4_blocks: int | None = None
+    #: with logits_offset: the offset is the maximum over the first N tokens' logits (0: every token;
+    #: None: :func:`qnnpasses.llm.manifest.default_offset_candidates` of the vocabulary)
+    offset_candidates: int | None = None
 
 
 def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
@@ -161,6 +166,9 @@ def validate(model: Path, out_dir: Path, options: LlmOptions) -> None:
             raise BadInputError(f"--int4-blocks is for --precision w4a16 (got {options.precision})")
         if options.int4_blocks < 0 or options.int4_blocks == 1 or options.int4_blocks & (options.int4_blocks - 1):
             raise BadInputError(f"--int4-blocks must be a power of two >= 2, or 'none' (got {options.int4_blocks})")
+    if options.logits_offset and (options.offset_candidates or 0) < 0:
+        raise BadInputError(f"--logits-offset takes a positive number of tokens, 'all' or 'none' "
+                            f"(got {options.offset_candidates})")
     if options.parts is not None and options.max_part_bytes is not None:
         raise BadInputError("give --parts or --max-part-bytes, not both")
     if options.parts is not None and options.parts < 1:
@@ -234,7 +242,8 @@ def _shapes(roles: Roles, tokens: int, past: int) -> dict[str, list[int]]:
 
 def static_graph(model: Path, roles: Roles, tokens: int, past: int,
                  quantized: bool = False, logits_offset: bool = False,
-                 cache_fp16: bool = True, residual_shift: int | None = None) -> tuple[IRModel, dict[str, Any]]:
+                 cache_fp16: bool = True, residual_shift: int | None = None,
+                 offset_candidates: int = 0) -> tuple[IRModel, dict[str, Any]]:
     """The static-cache graph with ``tokens`` new tokens after ``past`` cache slots, htp-llm applied
     (fp16: then :data:`FP16_PIPELINE` and, with ``logits_offset``, ``logits-offset`` on the logits,
     and the cache taken and given in float16, :mod:`qnnpasses.llm.cache_dtype`).
@@ -242,7 +251,7 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
     ``quantized``: htp-llm as ``qnnpasses quantize`` runs it (:func:`build_pipeline`)."""
     ir = load_model(model)
     lowered, lowerings = lower_contrib(ir)
-    pipeline = build_pipeline(roles, tokens + past, quantized, logits_offset, residual_shift)
+    pipeline = build_pipeline(roles, tokens + past, quantized, logits_offset, residual_shift, offset_candidates)
     # one manager for every stage; the build's own check against the export (check_static) verifies
     # the result, so no pass is verified on its own
     manager = PassManager(pipeline, RunConfig(verify=False, strict=True))
@@ -263,14 +272,15 @@ def static_graph(model: Path, roles: Roles, tokens: int, past: int,
 
 
 def build_pipeline(roles: Roles, context: int, quantized: bool = False, logits_offset: bool = False,
-                   residual_shift: int | None = None) -> Pipeline:
+                   residual_shift: int | None = None, offset_candidates: int = 0) -> Pipeline:
     """Every pass a graph of the pair runs after the contrib lowerings: the static cache
     (:func:`static_cache_pipeline`), ``htp-llm`` in its ``quantized`` or ``pair`` variant
     (:data:`qnnpasses.passmanager.named.VARIANTS`), and for fp16 :func:`fp16_passes`."""
     htp_llm = get_pipeline("htp-llm", "quantized" if quantized else "pair")
     pipeline = static_cache_pipeline(context, roles.position_ids) + htp_llm
     # a quantized graph runs in integer mode: the fp16 formulations are for fp16 pairs only
-    return pipeline if quantized else pipeline + fp16_passes(roles.logits, logits_offset, residual_shift)
+    return pipeline if quantized else pipeline + fp16_passes(roles.logits, logits_offset, residual_shift,
+                                                             offset_candidates)
 
 
 def graph_roles(ir: IRModel, roles: Roles) -> dict[str, Any]:
@@ -331,9 +341,10 @@ def _source_roles(roles: Roles, given: dict[str, str]) -> dict[str, Any]:
 def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int, precision: str = "fp16",
           calib: str | Path | None = None, parts: int | None = None, max_part_bytes: int | None = None,
           compile: bool = True, try_shared: bool = True, verify_tokens: int = 8, probe: bool = True,
-          logits_offset: bool = False, roles: dict[str, str] | None = None,
+          logits_offset: bool = True, roles: dict[str, str] | None = None,
           tokenizer: str | Path | None = None, cache_fp16: bool = True, bundle: str = "qnnpasses",
-          keep_float: bool = False, int4_blocks: int | None = None) -> dict[str, Any]:
+          keep_float: bool = False, int4_blocks: int | None = None,
+          offset_candidates: int | None = None) -> dict[str, Any]:
     """Write the prefill + decode pair, ``llm.json`` and ``report.json``/``report.md`` into ``out_dir``.
 
     ``model``: the export, or the Hugging Face / Optimum folder holding it.  ``roles``:
@@ -349,17 +360,23 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     removed once the quantized pair has been checked against the export.  ``int4_blocks``: w4a16's
     int4 weight scales, one per that many input rows (0: one per output channel; None: 32 where the
     HTP prepares the first layer so, else per output channel: :mod:`qnnpasses.llm.int4_blocks`).
+    ``logits_offset``: an fp16 pair outputs its logits relative to the maximum of the first
+    ``offset_candidates`` tokens' logits (0: every token's; None: 4096, at most an eighth of the
+    vocabulary: :func:`qnnpasses.llm.manifest.default_offset_candidates`), subtracted inside the lm_head's
+    accumulation (``logits-offset``); false: plain logits.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
     options = LlmOptions(context, prefill, precision, calib, parts, max_part_bytes, compile, try_shared, verify_tokens,
-                         probe, logits_offset, cache_fp16, bundle, keep_float, int4_blocks)
+                         probe, logits_offset, cache_fp16, bundle, keep_float, int4_blocks, offset_candidates)
     model, out_dir = model_file(model), Path(out_dir)
     validate(model, out_dir, options)
     start = time.monotonic()
     source = load_model(model)
     given = dict(roles or {})
     roles = export_roles(source, given)
+    if options.offset_candidates is None:
+        options.offset_candidates = default_offset_candidates(int(roles.vocab))
     try:  # before the slow part: a tokenizer of another model is refused now
         text_dir = find_tokenizer_dir(model, tokenizer)
         if text_dir is not None:
@@ -447,7 +464,8 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     for name, (tokens, past) in spec.items():
         ir, facts = static_graph(model, roles, tokens, past, quantized=options.precision != "fp16",
                                  logits_offset=options.logits_offset and not foreign,
-                                 cache_fp16=options.cache_fp16 and not foreign, residual_shift=shift)
+                                 cache_fp16=options.cache_fp16 and not foreign, residual_shift=shift,
+                                 offset_candidates=options.offset_candidates)
         shift = residual_shift(facts["passes"]) if shift is None else shift
         if foreign:  # the bundle's own form is made from them
             irs[name] = ir
@@ -475,6 +493,9 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     }
     if text_dir is not None:
         manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
+    if graphs["decode"]["roles"].get("logits_offset"):  # of how many first tokens (0: every token)
+        report["logits_offset"] = {"candidates": options.offset_candidates
+                                   if 0 < options.offset_candidates < int(roles.vocab) else 0}
     report["verification"] = _verify(stage, manifest, model, options)
     release()
     if foreign:

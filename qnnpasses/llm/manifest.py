@@ -28,9 +28,11 @@ Semantics of one call of a graph with ``tokens`` = S and ``past`` = P:
 * ``past_key[i]`` / ``past_value[i]`` ``[1, H, P, D]`` (layout ``BHSD``): cache slots 0..P-1;
 * ``new_key[i]`` / ``new_value[i]`` ``[1, H, S, D]``: K/V of the new tokens only; the runner
   writes them at slots valid_len... of its cache itself;
-* ``logits`` ``[1, S, V]``; when the role ``logits_offset`` names an output (fp16 pairs built
-  with ``--logits-offset``), ``logits`` holds each row's logits minus that row's ``logits_offset`` ``[1, S, 1]``
-  (``logits-offset``: the top logits at fp16's fine resolution near 0).  Argmax, softmax and
+* ``logits`` ``[1, S, V]``; when the role ``logits_offset`` names an output (fp16 pairs, unless
+  built with ``--logits-offset none``), ``logits`` holds each row's logits minus that row's
+  ``logits_offset`` ``[1, S, 1]`` (``logits-offset``: the maximum of the first
+  :func:`default_offset_candidates` tokens' logits by default, of every token's with ``--logits-offset
+  all``, so that the top logits come out at fp16's fine resolution near 0).  Argmax, softmax and
   sampling read ``logits`` as it is; the absolute logits are ``logits + logits_offset``
   (:func:`absolute_logits`).  A pair without it has ``logits_offset`` null or absent.
 
@@ -84,10 +86,20 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "qnnpasses-llm/1"
+#: an fp16 pair's ``logits_offset`` by default: the maximum of this many first tokens' logits, at
+#: most an eighth of the vocabulary (:func:`default_offset_candidates`; ``docs/logits_offset.md``:
+#: N / V of the lm_head's bytes more, where every token as a candidate reads it twice)
+OFFSET_CANDIDATES = 4096
 GRAPHS = ("prefill", "decode")
 ROLE_KEYS = ("input_ids", "attention_mask", "position_ids", "past_key", "past_value",
              "logits", "new_key", "new_value")
 MANIFEST_NAME = "llm.json"
+
+
+def default_offset_candidates(vocab: int) -> int:
+    """The default number of candidate tokens for a vocabulary of ``vocab``: :data:`OFFSET_CANDIDATES`,
+    at most ``vocab // 8`` (so the offset never costs more than an eighth of the lm_head's bytes)."""
+    return max(1, min(OFFSET_CANDIDATES, vocab // 8))
 
 
 class ManifestError(ValueError):

@@ -103,8 +103,10 @@ def report_markdown(manifest: dict[str, Any], report: dict[str, Any]) -> str:
               f"precision {manifest['precision']}, weight sharing: {manifest['weight_sharing']}"), ""]
     offset = manifest["graphs"]["decode"]["roles"].get("logits_offset")
     if offset:
-        lines += [(f"`{manifest['graphs']['decode']['roles']['logits']}` holds each row's logits minus its maximum, "
-                   f"computed inside the lm_head's accumulation (logits-offset); `{offset}` holds that maximum: "
+        count = (report.get("logits_offset") or {}).get("candidates")
+        among = f"the maximum of its first {count:,} tokens' logits" if count else "its maximum"
+        lines += [(f"`{manifest['graphs']['decode']['roles']['logits']}` holds each row's logits minus {among}, "
+                   f"subtracted inside the lm_head's accumulation (logits-offset); `{offset}` holds that value: "
                    "argmax, softmax and sampling read the logits as they are, the absolute logits are their sum."), ""]
     verification = report.get("verification") or {}
     if verification:
