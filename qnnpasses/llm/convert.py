@@ -16,8 +16,9 @@ original export:
    k; ``silu-tanh``, ``softmax-exp``: a SiLU and a Softmax the HTP computes closer to fp32 in
    fp16 mode), ``logits-offset`` on the logits output unless ``logits_offset`` is false
    (``--logits-offset none``): the logits relative to the maximum of the first
-   ``offset_candidates`` tokens' logits (:data:`~qnnpasses.llm.manifest.OFFSET_CANDIDATES`; 0: every
-   token's, which reads the lm_head's weight twice per call: ``docs/lm_head_forms.md``), subtracted
+   ``offset_candidates`` tokens' logits (by default 4096, at most an eighth of the vocabulary:
+   :func:`~qnnpasses.llm.manifest.default_offset_candidates`; 0: every token's, which reads the
+   lm_head's weight twice per call: ``docs/lm_head_forms.md``), subtracted
    before the lm_head's fp16 rounding, plus that maximum as ``<logits>_offset``, which the
    manifest's ``logits_offset`` role names (``docs/logits_offset.md``); then ``tied-embedding`` (a
    tied token embedding read from the lm_head's weight, so the bundle stores the table once);
@@ -362,8 +363,8 @@ def build(model: str | Path, out_dir: str | Path, *, context: int, prefill: int,
     HTP prepares the first layer so, else per output channel: :mod:`qnnpasses.llm.int4_blocks`).
     ``logits_offset``: an fp16 pair outputs its logits relative to the maximum of the first
     ``offset_candidates`` tokens' logits (0: every token's; None: 4096, at most an eighth of the
-    vocabulary: :func:`qnnpasses.llm.manifest.default_offset_candidates`), subtracted inside the lm_head's
-    accumulation (``logits-offset``); false: plain logits.
+    vocabulary: :func:`qnnpasses.llm.manifest.default_offset_candidates`), subtracted inside the
+    lm_head's accumulation (``logits-offset``); false: plain logits.
 
     Returns the manifest.  Raises BadInputError (bad request or export) before writing anything.
     """
