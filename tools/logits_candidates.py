@@ -37,6 +37,8 @@ REPO = TOOLS_DIR.parent
 sys.path.insert(0, str(TOOLS_DIR))
 sys.path.insert(0, str(REPO))
 
+from qnnpasses.llm.manifest import OFFSET_CANDIDATES  # noqa: E402
+
 MODELS = ("smollm2_135m", "gemma3_270m")
 COUNTS = (1024, 2048, 4096, 8192)
 SPLITS = ("calib", "eval")
@@ -86,9 +88,10 @@ def measure(name: str, windows: int) -> dict[str, Any]:
 def render(doc: dict[str, Any]) -> str:
     lines = ["# logits-offset over candidate tokens: how often the next token is among the first ids", "",
              f"Written by `python tools/logits_candidates.py` (figures in `docs/logits_offset.json`). "
-             "`qnnpasses llm --logits-offset N` takes the offset it subtracts inside the lm_head's "
-             "accumulation from the first N tokens' logits: N / V of the lm_head's bytes more, where every "
-             "token as candidate (`--logits-offset`) reads and stores the lm_head twice. The rewrite is exact "
+             "`qnnpasses llm` takes the offset it subtracts inside an fp16 pair's lm_head accumulation from "
+             f"the first N tokens' logits (`--logits-offset N`; by default {OFFSET_CANDIDATES:,}, at most an "
+             "eighth of the vocabulary): N / V of the lm_head's bytes more, where every token as candidate "
+             "(`--logits-offset all`) reads and stores the lm_head twice. The rewrite is exact "
              "whatever N is; what it buys is fp16's resolution where the next token is decided, and that "
              "depends on how close the candidates' maximum comes to the row's. transformers' fp32 model, "
              "every position of windows of real English text. A near-tie fp16 may flip: fp32's margin between "
@@ -112,8 +115,9 @@ def render(doc: dict[str, Any]) -> str:
     lines += ["", "Byte-pair and SentencePiece vocabularies number their tokens roughly by frequency (a merge "
               "learned earlier gets a lower id), so the likeliest next token is often among the first ids. Where "
               "it is not, the top logits come out at their lead over the candidates instead of near 0: still "
-              "finer than at their absolute value (the plain lm_head's), never a different token order than "
-              "the rounding gives. What it does to generated tokens on the HTP: `docs/llm.md`.", "",
+              "finer than at their absolute value (the plain lm_head's). Either way the logits keep their "
+              "order; only how finely fp16 rounds them differs. What it does to generated tokens on the HTP: "
+              "`docs/llm.md`.", "",
               "Models: " + "; ".join(f"{r['title']} ({r['package']}, {r['windows']} windows of {r['seq']} tokens "
                                      "per split)" for r in doc["models"].values()) + "."]
     return "\n".join(lines) + "\n"
