@@ -10,7 +10,9 @@ Greedy decoding of real text meets fp32 near-ties often (top-2 logit margins of 
 and no fp16 run can be expected to break every such tie as fp32 does: its activations carry
 fp16's rounding into the logits (docs/llm.md lists the margin at every token that differs).  The prompt here
 is one whose fp32 continuation is decided wherever it generates (the test checks that premise on the CPU),
-so the issue's bars apply to it unchanged.
+so the issue's bars apply to it unchanged.  One more prompt starts at a near-tie that only the
+rounding of the logits decides (a margin below half of fp16's spacing there): the pair's logits,
+offset by the first tokens' maximum, resolve it.
 """
 
 from __future__ import annotations
