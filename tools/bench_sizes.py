@@ -282,7 +282,8 @@ def precision(entry: dict) -> str:
     chosen = entry.get("int4") or {"block_rows": 32}
     rows = chosen["block_rows"]
     grid = "per channel" if rows == "per channel" else f"blocks of {rows}"
-    return f"w4a16 (int4 {grid}{': the HTP' + chr(39) + 's choice' if chosen.get('chosen_by') == 'probe' else ''})"
+    by = ": the HTP's choice" if chosen.get("chosen_by") == "probe" else ""
+    return f"w4a16 (int4 {grid}{by})"
 
 
 def merge(entries: list[dict]) -> dict:

@@ -72,7 +72,7 @@ class TiedEmbedding(Pass):
             if len(table.shape or ()) != 2:
                 continue
             vocab, hidden = table.shape
-            candidates = [w for w in weights.get(vocab, []) if w.shape[0] >= hidden]
+            candidates = weights.get(vocab, [])
             if not candidates:
                 continue
             ids_shape = static_shape(node.inputs[1])

@@ -118,7 +118,8 @@ class LogitsOffset(Pass):
 
     def __init__(self, options=None, **values):
         super().__init__(options, **values)
-        self._rewritten: dict[str, str] = {}  # output -> its offset output, for map_reference
+        # output -> (its offset output, the candidates its offset is the maximum of: 0 all), for map_reference
+        self._rewritten: dict[str, tuple[str, int]] = {}
 
     def run(self, ir: IRModel, ctx: PassContext) -> PassResult:
         if self.options.candidates < 0:
@@ -159,7 +160,8 @@ class LogitsOffset(Pass):
         x, w_tensor, y = node.inputs[0], node.inputs[1], node.outputs[0]
         rows, vocab = (int(d) for d in w_tensor.shape)
         candidates = candidates if 0 < candidates < vocab else 0
-        first_w, first_shape = w_tensor, static_shape(y)
+        x_shape, first_shape = static_shape(x), static_shape(y)
+        first_w = w_tensor
         # recipes where W is a mapped weight: [W; 1] and W's first columns are written, never held
         if candidates:
             first_w = derived_constant(ir, ctx, f"{w_tensor.name}_candidates", w_tensor,
@@ -168,7 +170,6 @@ class LogitsOffset(Pass):
         augmented = derived_constant(ir, ctx, f"{w_tensor.name}_with_ones", w_tensor,
                                      lambda w: np.concatenate([w, np.ones((1, w.shape[1]), w.dtype)], axis=0),
                                      shape=(rows + 1, vocab))
-        x_shape, y_shape = static_shape(x), static_shape(y)
         column = (*x_shape[:-1], 1)
         wide = (*x_shape[:-1], x_shape[-1] + 1)
         first = emit(ir, ctx, "MatMul", [x, first_w], hint="logits_first", dtype=y.dtype, shape=first_shape)
