@@ -303,6 +303,17 @@ def gib(value) -> str:
     return f"{value / GIB:.2f}" if value else "-"
 
 
+def part_count(entry: dict) -> int:
+    """The most parts a graph of the build was split into (1: unsplit)."""
+    return max((entry.get("parts") or {"": 1}).values())
+
+
+def parts_cell(entry: dict) -> str:
+    """The part count, with the ``--max-part-bytes`` limit the build was given."""
+    limit = entry.get("max_part_bytes")
+    return f"{part_count(entry)}" + (f" (≤ {limit})" if limit else "")
+
+
 def write_markdown(doc: dict) -> str:
     lines = ["# Real model sizes: time, memory and bytes of `qnnpasses llm`", "",
              "Written by `python tools/bench_sizes.py` from `docs/bench_sizes.json`.  Random-init models with "
@@ -324,16 +335,13 @@ def write_markdown(doc: dict) -> str:
         memory, device = e.get("memory") or {}, e.get("device") or {}
         resident = max(filter(None, [memory.get("resident_peak_bytes"), e.get("tree_resident_peak_bytes")]), default=0)
         onnx_weights = (e.get("weights_file") or {}).get("bytes_after")
-        parts = e.get("parts") or {}
         params_fp32, params_fp16 = e["parameters"] * 4, e["parameters"] * 2
         onnx_ratio = f"{onnx_weights / params_fp32:.2f}×" if onnx_weights else "-"
         held = device.get("device_bytes")
         device_ratio = f"{held / params_fp16:.2f}×" if held else "-"
         lines.append(
             f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {precision(e)} | {e['context']} / {e['prefill']} | "
-            f"{'yes' if e['compiled'] else 'no'} | {max(parts.values()) if parts else '-'}"
-            f"{' (≤ ' + e['max_part_bytes'] + ')' if e.get('max_part_bytes') else ''} | "
-            f"{e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
+            f"{'yes' if e['compiled'] else 'no'} | {parts_cell(e)} | {e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
             f"{gib(memory.get('compile_private_peak_bytes'))} | "
             f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
             f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
@@ -354,17 +362,19 @@ def limit_table(doc: dict) -> list[str]:
              "weight files before it kills, so a build that finishes needed no more memory than the limit.  A page "
              "is charged to the group that first read it: the export's pages cached by an earlier run count "
              "elsewhere, what the build allocates and the files it writes count here.", "",
-             "| shape | precision | context / prefill | compiled | limit × export | limit GiB | outcome | cgroup peak "
-             "GiB | private peak | wall min |",
-             "|---|---|---|---|---:|---:|---|---:|---:|---:|"]
+             "| shape | precision | context / prefill | compiled | parts | limit × export | limit GiB | outcome | "
+             "cgroup peak GiB | private peak | compile child private peak | wall min |",
+             "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for e in limited:
         limit = e.get("memory_limit") or {}
         kills = limit.get("oom_kills")
         outcome = "finished" if e["exit"] == 0 else f"failed ({'killed for memory' if kills else e.get('error', '?')})"
+        memory = e.get("memory") or {}
         lines.append(f"| {e['shape']} | {precision(e)} | {e['context']} / {e['prefill']} | "
-                     f"{'yes' if e['compiled'] else 'no'} | {e['memory_limit_factor']:g}× | "
+                     f"{'yes' if e['compiled'] else 'no'} | {parts_cell(e)} | {e['memory_limit_factor']:g}× | "
                      f"{gib(limit.get('limit_bytes'))} | {outcome} | {gib(limit.get('max_usage_bytes'))} | "
-                     f"{gib((e.get('memory') or {}).get('private_peak_bytes'))} | {e['wall_seconds'] / 60:.1f} |")
+                     f"{gib(memory.get('private_peak_bytes'))} | {gib(memory.get('compile_private_peak_bytes'))} | "
+                     f"{e['wall_seconds'] / 60:.1f} |")
     return lines
 
 
@@ -383,7 +393,7 @@ def check_table(doc: dict) -> list[str]:
              "| K/V max abs (bound) | top-1 | ok |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for e in built:
-        parts = max((e.get("parts") or {"": 1}).values())
+        parts = part_count(e)
         for kind, label in (("verification", "float"), ("quantized_verification", precision(e))):
             c = e["check"].get(kind)
             if not c:
@@ -417,7 +427,7 @@ def ceilings_table(doc: dict) -> list[str]:
         rows = ceilings(device["decode_step_read_bytes"], prefill or 1)
         cells = [f"{r['decode_tokens_per_second']:.1f} tok/s" + (f", prefill ≥ {r['prefill_call_seconds'] * 1e3:.0f} ms"
                                                                   if prefill else "") for r in rows]
-        parts = max((e.get("parts") or {"": 1}).values())
+        parts = part_count(e)
         lines.append(f"| {e['shape']} | {precision(e)} | {parts} | " + " | ".join(cells) + " |")
     return lines
 
