@@ -21,12 +21,12 @@ from qnnpasses.ir.load import load_model
 VOCAB, HIDDEN, SEQ = 96, 16, 5
 
 
-def tied_model(path, untie: bool = False) -> dict:
+def tied_model(path, untie: bool = False, untied_row: int = 3, external: bool = False) -> dict:
     rng = np.random.default_rng(0)
     table = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
     head = table.T.copy()
     if untie:
-        head[3, 7] += 1e-3
+        head[untied_row, 7] += 1e-3
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [1, SEQ])
     logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, SEQ, VOCAB])
     nodes = [helper.make_node("Gather", ["embed.weight", "ids"], ["h"], name="embed"),
@@ -37,7 +37,7 @@ def tied_model(path, untie: bool = False) -> dict:
     model = helper.make_model(helper.make_graph(nodes, "tied", [ids], [logits], inits),
                               opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
-    onnx.save(model, path)
+    onnx.save(model, path, save_as_external_data=external, location=f"{path.name}.data", size_threshold=1024)
     return {"ids": rng.integers(0, VOCAB, (1, SEQ)).astype(np.int64)}
 
 
@@ -64,6 +64,38 @@ def test_the_table_is_read_from_logits_offset_s_taller_weight(tmp_path):
     tables = sorted(tuple(t.shape) for t in ir.graph.tensors().values()
                     if getattr(t, "values", None) is not None and t.values.ndim == 2)
     assert tables == [(HIDDEN, 8), (HIDDEN + 1, VOCAB)]  # no [V, H] table, no [H, V] weight
+
+
+def test_a_mapped_stacked_weight_is_matched_without_computing_it(tmp_path, monkeypatch):
+    """Weights mapped from a data file: ``logits-offset`` keeps ``[Wᵀ; 1]`` as ``Wᵀ`` and a row of
+    ones, and neither the match (it reads the first part's rows) nor the manager's checks and
+    verification (the stack is written part by part) ever computes the whole stack."""
+    from qnnpasses.ir.model import StackedValues
+
+    def whole(self):
+        raise AssertionError("the stacked weight was computed whole")
+
+    monkeypatch.setattr(StackedValues, "load", whole)
+    inputs = tied_model(tmp_path / "tied.onnx", external=True)
+    ir, record = run_strictly(tmp_path / "tied.onnx", "logits-offset{candidates=8},tied-embedding", inputs=inputs)
+    assert record.status == "changed" and record.verification["max_abs"] == 0.0
+    gather = next(n for n in ir.graph.nodes if n.op == "Gather")
+    assert isinstance(gather.inputs[0]._values, StackedValues)
+
+
+@pytest.mark.parametrize("row", [0, 7, HIDDEN - 1])
+def test_the_comparison_in_blocks_sees_every_row(tmp_path, monkeypatch, row):
+    """The weight is compared with the table a few rows at a time: a difference in the first, a
+    middle or the last row still leaves the table alone."""
+    from qnnpasses.passes.fold import tied_embedding
+
+    monkeypatch.setattr(tied_embedding, "COMPARE_BLOCK_BYTES", 3 * VOCAB * 4)  # 3 rows a block
+    inputs = tied_model(tmp_path / "untied.onnx", untie=True, untied_row=row)
+    _, record = run_strictly(tmp_path / "untied.onnx", "tied-embedding", inputs=inputs)
+    assert record.status == "unchanged"
+    inputs = tied_model(tmp_path / "tied.onnx")
+    _, record = run_strictly(tmp_path / "tied.onnx", "tied-embedding", inputs=inputs)
+    assert record.status == "changed"
 
 
 def test_an_untied_table_is_left_alone(tmp_path):

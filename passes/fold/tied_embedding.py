@@ -28,7 +28,11 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import constant_value, emit, emit_slice, finish, replace_all_uses, static_shape
+from qnnpasses.passmanager.rewrite import (constant_rows, constant_value, emit, emit_slice, finish, replace_all_uses,
+                                           static_shape)
+
+#: the rows of the lm_head's weight compared with the table at a time (bytes)
+COMPARE_BLOCK_BYTES = 64 << 20
 
 
 def _matmul_weights(graph: gs.Graph) -> dict[int, list[gs.Constant]]:
@@ -50,9 +54,17 @@ def _table_of(weights: list[gs.Constant], table: gs.Constant) -> gs.Constant | N
         if weight.shape[0] < hidden or np.dtype(weight.dtype) != np.dtype(table.dtype):
             continue
         values = constant_value(table) if values is None else values
-        if np.array_equal(constant_value(weight)[:hidden].T, values):
+        if _transposed_equal(constant_rows(weight, hidden), values):
             return weight
     return None
+
+
+def _transposed_equal(rows: np.ndarray, table: np.ndarray) -> bool:
+    """``rows == table.T``, compared a block of rows at a time: an lm_head-sized table is mapped,
+    and a comparison of the whole would hold a temporary of its size."""
+    step = max(1, COMPARE_BLOCK_BYTES // max(1, rows.shape[1] * rows.itemsize))
+    return all(np.array_equal(rows[start:start + step], table[:, start:start + step].T)
+               for start in range(0, rows.shape[0], step))
 
 
 @register_pass

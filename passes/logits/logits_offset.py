@@ -63,6 +63,7 @@ from qnnpasses.passmanager.rewrite import (
     finish,
     make_reduce,
     producer,
+    stacked_constant,
     static_shape,
 )
 
@@ -162,14 +163,14 @@ class LogitsOffset(Pass):
         candidates = candidates if 0 < candidates < vocab else 0
         x_shape, first_shape = static_shape(x), static_shape(y)
         first_w = w_tensor
-        # recipes where W is a mapped weight: [W; 1] and W's first columns are written, never held
+        # where W is a mapped weight: [W; 1] kept as W and the ones (saved part by part) and W's first
+        # columns as a recipe: written, never held
         if candidates:
             first_w = derived_constant(ir, ctx, f"{w_tensor.name}_candidates", w_tensor,
                                        lambda w: w[:, :candidates], shape=(rows, candidates))
             first_shape = [*first_shape[:-1], candidates]
-        augmented = derived_constant(ir, ctx, f"{w_tensor.name}_with_ones", w_tensor,
-                                     lambda w: np.concatenate([w, np.ones((1, w.shape[1]), w.dtype)], axis=0),
-                                     shape=(rows + 1, vocab))
+        augmented = stacked_constant(ir, ctx, f"{w_tensor.name}_with_ones", w_tensor,
+                                     np.ones((1, vocab), FLOAT32))
         column = (*x_shape[:-1], 1)
         wide = (*x_shape[:-1], x_shape[-1] + 1)
         first = emit(ir, ctx, "MatMul", [x, first_w], hint="logits_first", dtype=y.dtype, shape=first_shape)

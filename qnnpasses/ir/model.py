@@ -139,6 +139,46 @@ def derived_from(values: np.ndarray | DerivedValues, transform, *, dtype=None,
     return DerivedValues(out_shape, dtype, compute)
 
 
+class StackedValues(DerivedValues):
+    """Arrays stacked along their first axis, kept as those parts until read (``[W; 1]`` of a
+    mapped lm_head weight ``W``).
+
+    In C order a stack's bytes are its parts' bytes one after the other: saving streams each
+    part in turn (a mapped one from its file), and a reader of the first rows takes them from
+    the first part (:func:`leading_rows`), so neither ever holds the whole stack.
+    """
+
+    def __init__(self, parts: list[np.ndarray | DerivedValues]):
+        first = parts[0]
+        if any(tuple(p.shape[1:]) != tuple(first.shape[1:]) or np.dtype(p.dtype) != np.dtype(first.dtype)
+               for p in parts):
+            raise ValueError("stacked parts differ in their trailing dims or dtype")
+        shape = (sum(int(p.shape[0]) for p in parts), *first.shape[1:])
+        super().__init__(shape, np.dtype(first.dtype), lambda: np.concatenate([_loaded(p) for p in parts], axis=0))
+        self.parts = tuple(parts)
+
+
+def _loaded(values: np.ndarray | DerivedValues) -> np.ndarray:
+    return values.load() if isinstance(values, DerivedValues) else np.asarray(values)
+
+
+def stacked_from(parts: list[np.ndarray | DerivedValues]) -> np.ndarray | StackedValues:
+    """``np.concatenate(parts, axis=0)`` for a new constant: kept as its parts
+    (:class:`StackedValues`) where one of them is a mapped weight or a recipe, else computed now."""
+    if any(isinstance(p, DerivedValues) or mapped_source(p) is not None for p in parts):
+        return StackedValues(parts)
+    return np.concatenate(parts, axis=0)
+
+
+def leading_rows(values: np.ndarray | DerivedValues, rows: int) -> np.ndarray:
+    """The first ``rows`` rows (first axis) of a constant's values: from the first part of a
+    :class:`StackedValues` when it holds them (a mapped part stays mapped, a recipe part is
+    computed without the rest of the stack), else from the loaded values."""
+    if isinstance(values, StackedValues) and int(values.parts[0].shape[0]) >= rows:
+        return _loaded(values.parts[0])[:rows]
+    return _loaded(values)[:rows]
+
+
 class _StubValues(LazyValues):
     """Stands in for a constant's values while exporting: the proto refers to a source index."""
 
@@ -561,6 +601,9 @@ def source_bytes(source: Source) -> Iterator[bytes | memoryview]:
                     raise BadInputError(f"external data file {source.path.name} ended early")
                 remaining -= len(chunk)
                 yield chunk
+    elif isinstance(source, StackedValues):
+        for part in source.parts:  # a mapped part streams from its file, not through its mapping
+            yield from source_bytes(mapped_source(part) or part)
     elif isinstance(source, DerivedValues):
         yield memoryview(source.load()).cast("B")
     elif isinstance(source, onnx.TensorProto):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qnnpasses.ir.model import DerivedValues
+from qnnpasses.ir.model import DerivedValues, leading_rows
 
 #: Ops whose inputs after the first are shapes, indices, axes or sizes: only input 0 carries data
 #: (a walk along a tensor's values follows input 0 of these and every input of other ops).
@@ -100,6 +100,19 @@ def constant_value(tensor: gs.Tensor | None, *, through_identity: bool = False) 
             if key in node.attrs:
                 return np.asarray(node.attrs[key], dtype=dtype)
     return None
+
+
+def stored_values(tensor: gs.Tensor) -> np.ndarray | DerivedValues | None:
+    """A constant's recipe as it is (not computed), else its value (:func:`constant_value`)."""
+    if isinstance(tensor, gs.Constant) and isinstance(tensor._values, DerivedValues):
+        return tensor._values
+    return constant_value(tensor)
+
+
+def constant_rows(tensor: gs.Constant, rows: int) -> np.ndarray:
+    """The first ``rows`` rows (first axis) of a constant's value; of a stacked recipe
+    (``[W; 1]`` over a mapped ``W``) taken from its first part, without computing the rest."""
+    return leading_rows(stored_values(tensor), rows)
 
 
 def constant_shape(tensor: gs.Tensor | None) -> tuple[int, ...] | None:

@@ -12,18 +12,20 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.graph_ops import finish_graph
-from qnnpasses.ir.model import DerivedValues, IRModel, derived_from
+from qnnpasses.ir.model import IRModel, derived_from, stacked_from
 from qnnpasses.ir.read import (  # noqa: F401 - the read helpers, re-exported for passes
     producer,
     producer_op,
     single_consumer,
     constant_value,
+    constant_rows,
     constant_shape,
     is_constant,
     is_scalar_constant,
     scalar,
     last_axis,
     static_shape,
+    stored_values,
     input_value,
     normalize_axis,
 )
@@ -151,10 +153,17 @@ def derived_constant(ir: IRModel, ctx: PassContext, prefix: str, tensor: gs.Tens
     :func:`~qnnpasses.ir.model.derived_from`; ``same_shape``: it keeps the value's shape and
     dtype, so it need not run to learn them; ``shape``: the output's, for a ``transform`` that keeps
     the dtype but would allocate its output to tell its shape (a concatenation)."""
-    lazy = isinstance(tensor, gs.Constant) and isinstance(tensor._values, DerivedValues)
-    values = tensor._values if lazy else constant_value(tensor)
+    values = stored_values(tensor)
     dtype = np.dtype(values.dtype) if same_shape else None  # a recipe knows its dtype as an array does
     return gs.Constant(ctx.unique_name(ir, prefix), derived_from(values, transform, dtype=dtype, shape=shape))
+
+
+def stacked_constant(ir: IRModel, ctx: PassContext, prefix: str, tensor: gs.Tensor, *below: np.ndarray) -> gs.Constant:
+    """A new constant with a fresh name: ``tensor``'s value with the arrays ``below`` stacked under
+    it (first axis; ``[W; 1]``).  Kept as those parts where ``tensor`` is a mapped weight or a recipe
+    (:class:`~qnnpasses.ir.model.StackedValues`: saved part by part, its first rows read from
+    ``tensor``'s), else computed now."""
+    return gs.Constant(ctx.unique_name(ir, prefix), stacked_from([stored_values(tensor), *below]))
 
 
 def make_node(ir: IRModel, ctx: PassContext, op: str, inputs: Iterable[gs.Tensor], *, name_hint: str,
