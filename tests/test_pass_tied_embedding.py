@@ -21,12 +21,12 @@ from qnnpasses.ir.load import load_model
 VOCAB, HIDDEN, SEQ = 96, 16, 5
 
 
-def tied_model(path, untie: bool = False, untied_row: int = 3, external: bool = False) -> dict:
+def tied_model(path, untie: bool = False, untied_token: int = 7, external: bool = False) -> dict:
     rng = np.random.default_rng(0)
     table = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
     head = table.T.copy()
     if untie:
-        head[untied_row, 7] += 1e-3
+        head[3, untied_token] += 1e-3
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [1, SEQ])
     logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, SEQ, VOCAB])
     nodes = [helper.make_node("Gather", ["embed.weight", "ids"], ["h"], name="embed"),
@@ -83,14 +83,14 @@ def test_a_mapped_stacked_weight_is_matched_without_computing_it(tmp_path, monke
     assert isinstance(gather.inputs[0]._values, StackedValues)
 
 
-@pytest.mark.parametrize("row", [0, 7, HIDDEN - 1])
-def test_the_comparison_in_blocks_sees_every_row(tmp_path, monkeypatch, row):
-    """The weight is compared with the table a few rows at a time: a difference in the first, a
-    middle or the last row still leaves the table alone."""
+@pytest.mark.parametrize("token", [0, 40, VOCAB - 1])
+def test_the_comparison_in_blocks_sees_every_token(tmp_path, monkeypatch, token):
+    """The weight is compared with the table a few tokens at a time: a difference in the first, a
+    middle or the last block still leaves the table alone."""
     from qnnpasses.passes.fold import tied_embedding
 
-    monkeypatch.setattr(tied_embedding, "COMPARE_BLOCK_BYTES", 3 * VOCAB * 4)  # 3 rows a block
-    inputs = tied_model(tmp_path / "untied.onnx", untie=True, untied_row=row)
+    monkeypatch.setattr(tied_embedding, "COMPARE_BLOCK_BYTES", 10 * HIDDEN * 4)  # 10 tokens a block
+    inputs = tied_model(tmp_path / "untied.onnx", untie=True, untied_token=token)
     _, record = run_strictly(tmp_path / "untied.onnx", "tied-embedding", inputs=inputs)
     assert record.status == "unchanged"
     inputs = tied_model(tmp_path / "tied.onnx")

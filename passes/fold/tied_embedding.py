@@ -31,7 +31,7 @@ from qnnpasses.passmanager.api import EXACT, Pass, PassContext, PassResult, regi
 from qnnpasses.passmanager.rewrite import (constant_rows, constant_value, emit, emit_slice, finish, replace_all_uses,
                                            static_shape)
 
-#: the rows of the lm_head's weight compared with the table at a time (bytes)
+#: the table's rows (tokens) compared with the lm_head's weight at a time (bytes)
 COMPARE_BLOCK_BYTES = 64 << 20
 
 
@@ -60,11 +60,14 @@ def _table_of(weights: list[gs.Constant], table: gs.Constant) -> gs.Constant | N
 
 
 def _transposed_equal(rows: np.ndarray, table: np.ndarray) -> bool:
-    """``rows == table.T``, compared a block of rows at a time: an lm_head-sized table is mapped,
-    and a comparison of the whole would hold a temporary of its size."""
-    step = max(1, COMPARE_BLOCK_BYTES // max(1, rows.shape[1] * rows.itemsize))
-    return all(np.array_equal(rows[start:start + step], table[:, start:start + step].T)
-               for start in range(0, rows.shape[0], step))
+    """``rows == table.T``, compared a block of the table's rows (tokens) at a time: an lm_head-sized
+    table is mapped, and a comparison of the whole would hold a temporary of its size (a block of
+    tokens reads the table contiguously and the weight in runs of a block's width)."""
+    if rows.shape != table.shape[::-1]:
+        return False
+    step = max(1, COMPARE_BLOCK_BYTES // max(1, rows.shape[0] * rows.itemsize))
+    return all(np.array_equal(rows[:, start:start + step], table[start:start + step].T)
+               for start in range(0, table.shape[0], step))
 
 
 @register_pass
