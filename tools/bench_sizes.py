@@ -341,7 +341,8 @@ def write_markdown(doc: dict) -> str:
         device_ratio = f"{held / params_fp16:.2f}×" if held else "-"
         lines.append(
             f"| {e['shape']} | {e['parameters'] / 1e6:.0f} M | {precision(e)} | {e['context']} / {e['prefill']} | "
-            f"{'yes' if e['compiled'] else 'no'} | {parts_cell(e)} | {e['wall_seconds'] / 60:.1f} | {gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
+            f"{'yes' if e['compiled'] else 'no'} | {parts_cell(e)} | {e['wall_seconds'] / 60:.1f} | "
+            f"{gib(e['export_bytes'])} | {gib(memory.get('private_peak_bytes'))} | "
             f"{gib(memory.get('compile_private_peak_bytes'))} | "
             f"{gib(resident)} | {resident / e['export_bytes']:.2f}× | {gib(e['bundle_bytes'])} | {onnx_ratio} | "
             f"{gib(held)} | {device_ratio} | {gib(device.get('decode_step_read_bytes'))} |")
