@@ -149,13 +149,14 @@ class StackedValues(DerivedValues):
     """
 
     def __init__(self, parts: list[np.ndarray | DerivedValues]):
+        parts = tuple(parts)
         first = parts[0]
         if any(tuple(p.shape[1:]) != tuple(first.shape[1:]) or np.dtype(p.dtype) != np.dtype(first.dtype)
                for p in parts):
             raise ValueError("stacked parts differ in their trailing dims or dtype")
         shape = (sum(int(p.shape[0]) for p in parts), *first.shape[1:])
         super().__init__(shape, np.dtype(first.dtype), lambda: np.concatenate([_loaded(p) for p in parts], axis=0))
-        self.parts = tuple(parts)
+        self.parts = parts
 
 
 def _loaded(values: np.ndarray | DerivedValues) -> np.ndarray:
