@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +41,10 @@ from qnnpasses.handoff.epcontext import context_summary
 from qnnpasses.memory import PeakMemory
 
 SHARE_OPTIONS = {"enable_htp_weight_sharing": "1"}
+#: a compile child killed by SIGKILL: what the kernel's out-of-memory killer sends
+OUT_OF_MEMORY_HINT = ("; SIGKILL is how the kernel ends a process that ran out of memory: preparing a graph takes "
+                      "QNN several times its weight bytes, so compile smaller parts (--max-part-bytes SIZE, e.g. 512M; "
+                      "the report of a build that finished gives its largest compile child's peak memory)")
 #: integer precision: the HTP takes the boundary Q/DQ too (as qnnpasses.quant.evaluate does)
 INT_OPTIONS = {"offload_graph_io_quantization": "0"}
 
@@ -138,7 +143,7 @@ def _run_child(mode: str, pairs: list[tuple[Path, Path]], fp16: bool, *, separat
         what = f"{'separate' if separate else 'shared'} {mode}"
         tail = child.stderr_tail if child.returncode and child.returncode > 0 else []
         result.update(ok=False, error=f"{what}: {child.crash or 'failed'} at graph {step + 1} of {len(pairs)}{stage}"
-                      + (f" ({tail[0][:200]})" if tail else ""))
+                      + (f" ({tail[0][:200]})" if tail else ""), killed=child.returncode == -signal.SIGKILL)
     return result
 
 
@@ -240,7 +245,8 @@ def compile_graphs(pairs: list[tuple[Path, Path]], *, fp16: bool = True, try_sha
             if not one.get("ok"):
                 from qnnpasses.errors import CheckFailedError
 
-                raise CheckFailedError(f"compiling {pair[0].name} for the HTP failed: {one.get('error')}")
+                raise CheckFailedError(f"compiling {pair[0].name} for the HTP failed: {one.get('error')}"
+                                       + (OUT_OF_MEMORY_HINT if one.get("killed") else ""))
             result["facts"].update(one.get("facts") or {})
             result["private_peak_bytes"] = max(result["private_peak_bytes"], one.get("private_peak_bytes") or 0)
     report["graphs"] = {b.name: context_summary(b) for b in targets}
