@@ -76,6 +76,12 @@ def offset_name(output: str) -> str:
     return f"{output}_offset"
 
 
+def candidate_count(candidates: int, vocab: int) -> int:
+    """The leading tokens the offset is the maximum of for a ``candidates`` option over a vocabulary
+    of ``vocab``: 0 (every token) where the option is 0 or covers the whole vocabulary."""
+    return candidates if 0 < candidates < vocab else 0
+
+
 def lm_head(graph: gs.Graph, output: gs.Tensor) -> tuple[gs.Node | None, str]:
     """The ``MatMul(x, W)`` that computes ``output`` through shape-only ops, or None and why not."""
     shape = static_shape(output)
@@ -160,7 +166,7 @@ class LogitsOffset(Pass):
         """The offset output, and how many leading tokens it is the maximum of (0: all)."""
         x, w_tensor, y = node.inputs[0], node.inputs[1], node.outputs[0]
         rows, vocab = (int(d) for d in w_tensor.shape)
-        candidates = candidates if 0 < candidates < vocab else 0
+        candidates = candidate_count(candidates, vocab)
         x_shape, first_shape = static_shape(x), static_shape(y)
         first_w = w_tensor
         # where W is a mapped weight: [W; 1] kept as W and the ones (saved part by part) and W's first

@@ -495,8 +495,9 @@ def _build_into(stage: Path, model: Path, source: IRModel, roles: Roles, options
     if text_dir is not None:
         manifest["tokenizer"] = copy_tokenizer(text_dir, stage)
     if graphs["decode"]["roles"].get("logits_offset"):  # of how many first tokens (0: every token)
-        report["logits_offset"] = {"candidates": options.offset_candidates
-                                   if 0 < options.offset_candidates < int(roles.vocab) else 0}
+        from qnnpasses.passes.logits.logits_offset import candidate_count
+
+        report["logits_offset"] = {"candidates": candidate_count(options.offset_candidates, int(roles.vocab))}
     report["verification"] = _verify(stage, manifest, model, options)
     release()
     if foreign:
