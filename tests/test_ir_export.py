@@ -8,6 +8,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
+from qnnpasses.ir import checks
 from qnnpasses.ir.load import load_model
 from qnnpasses.ir.model import export_with_stubs
 
@@ -102,3 +103,56 @@ def test_stubs_follow_their_tensor_across_exports():
     proto, sources = export_with_stubs(ir)
     stub = next(t for t in proto.graph.initializer if t.name == "w")
     assert list(stub.dims) == [2, 256] and sources[0] is weight.values
+
+
+# ---------------------------------------------------------------- what a graph check serializes
+
+
+def _check_route_model(ir) -> onnx.ModelProto | str:
+    """What ``check_proto`` checks for ``export_with_stubs(ir)``: stubs as inputs, onnxruntime's
+    own ops moved to their domain (or the unknown operator's description)."""
+    proto = checks.stubs_as_inputs(export_with_stubs(ir, value_infos=False)[0], copy=False)
+    unknown, runtime = checks._unknown_operator_or_move_runtime_ops(
+        proto.graph.node, {(f.domain, f.name) for f in proto.functions})
+    if runtime:
+        proto.opset_import.append(onnx.helper.make_opsetid(checks._RUNTIME_DOMAIN, 1))
+    return unknown or proto
+
+
+def _serialized_check_model(ir) -> onnx.ModelProto | str:
+    data = checks._serialized_for_check(ir)
+    return data if isinstance(data, str) else onnx.load_from_string(data)
+
+
+@pytest.mark.parametrize("edit", [e[1] for e in EDITS], ids=[e[0] for e in EDITS])
+def test_the_check_serializes_the_model_the_proto_route_checks(edit):
+    ir = load_model(onnx.parser.parse_model(MODEL))
+    assert _serialized_check_model(ir) == _check_route_model(ir)  # the cache is warm now
+    edit(ir)
+    assert _serialized_check_model(ir) == _check_route_model(ir)
+
+
+SPECIAL = """
+<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]>
+g (float[2, 256] x, bool c) => (float[2, 256] y, float[2, 256] z) {
+  w = Constant<value = float[256] {%s}>()
+  s = SimplifiedLayerNormalization<epsilon = 0.00001>(x, w)
+  z = com.microsoft.Gelu(s)
+  y = If(c) <then_branch = t () => (float[2, 256] a) { a = SimplifiedLayerNormalization<epsilon = 0.00001>(x, w) },
+             else_branch = e () => (float[2, 256] b) { b = Identity(s) }>
+}
+""" % ",".join(["1.0"] * 256)
+
+
+def test_the_check_serializes_stubbed_constants_subgraphs_and_onnxruntime_ops_alike():
+    # a 1 KB Constant node is stubbed (an input instead), SimplifiedLayerNormalization is onnxruntime's
+    # own (moved to its domain, in the If's branch too), Gelu is a contrib op of a known domain
+    proto = onnx.parser.parse_model(SPECIAL)
+    ir = load_model(proto)
+    expected = _check_route_model(ir)
+    assert isinstance(expected, onnx.ModelProto) and "w" in [i.name for i in expected.graph.input]
+    assert _serialized_check_model(ir) == expected
+    assert checks.check_model(ir) is None
+    _node(ir, "Gelu").domain = "some.vendor"
+    assert _serialized_check_model(ir) == _check_route_model(ir) == (
+        "node 'Gelu_2' uses operator 'Gelu' of unknown domain 'some.vendor'")

@@ -442,13 +442,13 @@ def test_htp_llm_verifies_on_every_fixture_without_false_alarms(name):
 
 def _count_checks(monkeypatch) -> list[int]:
     calls = [0]
-    real = checks.check_proto
+    real = checks._check_serialized  # what every check of a model ends in
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checks, "check_proto", counting)
+    monkeypatch.setattr(checks, "_check_serialized", counting)
     return calls
 
 
@@ -469,3 +469,4 @@ def test_a_change_after_the_pass_s_own_check_is_still_checked_and_rolled_back(mo
     assert result.records[0].status == ROLLED_BACK and "graph check failed" in result.records[0].reason
     assert len(ir.graph.nodes) == nodes
     _assert_outputs_unchanged(ir)
+

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import onnx_graphsurgeon as gs
 from qnnpasses.passes.shapes._symbols import SymbolTable, decode_step, resolve_inputs
 
-from qnnpasses.ir.checks import infer_proto
+from qnnpasses.ir.checks import check_with_output_dims, infer_proto
 from qnnpasses.ir.model import IRModel, export_with_stubs
 from qnnpasses.ir.shapes import DEFAULT_BATCH, DEFAULT_PAST, DEFAULT_SEQUENCE, is_static
 from qnnpasses.passmanager.api import (
@@ -121,13 +121,18 @@ def _first_static(*candidates):
 
 
 def _inferred_output_dims(ir: IRModel, names: set[str]) -> dict[str, list]:
-    """Dims of the tensors named ``names`` (the outputs still symbolic) by shape inference
-    with the outputs' own (symbolic) dims erased first.
+    """Dims of the graph outputs named ``names`` (those still symbolic) by shape inference on
+    the now static inputs.
 
-    The proto is exported without value infos and inferred in place: inference starts from
-    scratch anyway (:func:`infer_proto` drops intermediate value infos), so building and
-    copying them for a graph of every layer's tensors only cost time.  Of the inferred
-    value infos only the wanted names are decoded."""
+    Taken from the graph check's own strict inference (:func:`check_with_output_dims`), which
+    also refreshes every intermediate shape: the manager then finds the graph checked and
+    does not infer it a second time (the first inference of the whole, unfolded graph, the
+    most costly one of a pipeline).  Where the check fails, by plain inference with the outputs'
+    own dims erased (the manager's check then reports the failure).  The proto is exported
+    without value infos and inferred in place: inference starts from scratch anyway."""
+    problem, dims = check_with_output_dims(ir)
+    if problem is None:
+        return {name: found for name, found in dims.items() if name in names}
     proto, _ = export_with_stubs(ir, value_infos=False)
     for output in proto.graph.output:
         output.type.tensor_type.ClearField("shape")
@@ -144,4 +149,3 @@ def _inferred_output_dims(ir: IRModel, names: set[str]) -> dict[str, list]:
             continue
         found[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
     return found
-

@@ -11,9 +11,18 @@ import functools
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from qnnpasses.ir.fingerprint import Fingerprint, fingerprint
-from qnnpasses.ir.model import IRModel, export_with_stubs, stub_index
+from qnnpasses.ir.model import (
+    SUBGRAPH_OPS,
+    IRModel,
+    export_for_check,
+    export_with_stubs,
+    length_delimited,
+    node_entry,
+    stub_index,
+)
 
 # Domains whose operators onnxruntime knows even where onnx has no schema for them.
 KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training", "com.microsoft.nchwc"})
@@ -27,12 +36,32 @@ def check_model(ir: IRModel, *, refresh: bool = False, now: Fingerprint | None =
     taken it: the refresh changes nothing a fingerprint holds): :func:`passed_check` then
     knows the graph it describes is well-formed without checking it again.
     """
-    proto, _ = export_with_stubs(ir, value_infos=False)  # inference starts from scratch anyway
-    problem, inferred = check_proto(proto, copy=False)
+    return _check(ir, refresh, now)[0]
+
+
+def check_with_output_dims(ir: IRModel) -> tuple[str | None, dict[str, list[int | None]]]:
+    """:func:`check_model` with ``refresh``, also returning the dims strict inference gives
+    each graph output (an int where static, else ``None``): a pass that needs them (fix-shapes)
+    takes them from the one inference the check runs anyway, and the manager, finding the
+    graph checked, does not run it again."""
+    problem, inferred = _check(ir, True, None)
+    if inferred is None:
+        return problem, {}
+    dims = {}
+    for info in inferred.graph.output:
+        ttype = info.type.tensor_type
+        if ttype.HasField("shape"):
+            dims[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
+    return problem, dims
+
+
+def _check(ir: IRModel, refresh: bool, now: Fingerprint | None) -> tuple[str | None, onnx.ModelProto | None]:
+    data = _serialized_for_check(ir)
+    problem, inferred = (data, None) if isinstance(data, str) else _check_serialized(data)
     if problem is None and refresh:
         _apply_inferred(ir, inferred)
         ir.checked = now or fingerprint(ir)
-    return problem
+    return problem, inferred
 
 
 def passed_check(ir: IRModel, now: Fingerprint) -> bool:
@@ -51,35 +80,92 @@ def check_proto(proto: onnx.ModelProto, *, copy: bool = True) -> tuple[str | Non
 
     ``copy=False`` lets the check rewrite ``proto`` itself (a proto made only for it)."""
     proto = stubs_as_inputs(proto, copy=copy)
-    unknown = _unknown_operator_or_move_runtime_ops(proto)
+    local_functions = {(f.domain, f.name) for f in proto.functions}
+    unknown, runtime = _unknown_operator_or_move_runtime_ops(proto.graph.node, local_functions)
     if unknown:
         return unknown, None
+    if runtime:
+        proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
+    return _check_serialized(proto.SerializeToString())
+
+
+def _check_serialized(data: bytes) -> tuple[str | None, onnx.ModelProto | None]:
+    """The checker, then strict shape inference, on a serialized model (each would serialize
+    a ``ModelProto`` again)."""
     try:
-        onnx.checker.check_model(proto)
+        onnx.checker.check_model(data)
     except Exception as exc:  # ValidationError, or other types the C++ checker raises on odd protos
         return _first_line(exc), None
     try:
-        return None, onnx.shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
+        return None, onnx.shape_inference.infer_shapes(data, strict_mode=True, data_prop=True)
     except Exception as exc:
         return f"shape inference failed: {_first_line(exc)}", None
 
 
-def _unknown_operator_or_move_runtime_ops(proto: onnx.ModelProto) -> str | None:
-    """The first node of an unknown domain, described; else ``None``, with every default-domain
-    op that only onnxruntime knows moved to :data:`_RUNTIME_DOMAIN` (one walk for both)."""
+def _serialized_for_check(ir: IRModel) -> bytes | str:
+    """The serialized model :func:`check_proto` would check for ``export_with_stubs(ir)``, built
+    from :func:`export_for_check`'s parts (most nodes already serialized by the last check);
+    or the problem, for a node of an unknown domain."""
+    proto, nodes = export_for_check(ir)
+    stubs_as_inputs(proto, copy=False)  # the stubbed initializers (the proto holds no node yet)
+    graph = proto.graph
+    input_names = {i.name for i in graph.input}
     local_functions = {(f.domain, f.name) for f in proto.functions}
+    entries, runtime = [], False
+    for node, item in nodes:
+        if isinstance(item, bytes):  # plain attributes only: no subgraph, no tensor
+            domain = node.domain or ""
+            if domain in ("", "ai.onnx"):
+                if _runtime_only(node.op):
+                    moved = OnnxExporter.export_node(node)
+                    moved.domain = _RUNTIME_DOMAIN
+                    item, runtime = node_entry(moved), True
+            elif domain not in KNOWN_DOMAINS and (domain, node.op) not in local_functions:
+                return f"node '{node.name}' uses operator '{node.op}' of unknown domain '{domain}'"
+            entries.append(item)
+            continue
+        value = _constant_value(item)
+        if value is not None and stub_index(value) is not None:  # a stubbed Constant: a typed input instead
+            if item.output[0] not in input_names:
+                graph.input.append(_input_info(item.output[0], value.data_type, tuple(value.dims)))
+                input_names.add(item.output[0])
+            continue
+        unknown, moved = _unknown_operator_or_move_runtime_ops([item], local_functions)
+        if unknown:
+            return unknown
+        runtime |= moved
+        entries.append(node_entry(item))
+    if runtime:
+        proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
+    graph_bytes = graph.SerializeToString() + b"".join(entries)
+    proto.ClearField("graph")
+    return proto.SerializeToString() + length_delimited(_MODEL_GRAPH_FIELD, graph_bytes)
+
+
+# ModelProto.graph's field number (onnx.proto)
+_MODEL_GRAPH_FIELD = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    if node.op_type != "Constant":
+        return None
+    return next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+
+
+def _unknown_operator_or_move_runtime_ops(nodes, local_functions: set[tuple[str, str]]) -> tuple[str | None, bool]:
+    """The first node of ``nodes`` (NodeProtos, their subgraphs included) of an unknown domain,
+    described; else ``None``, with every default-domain op that only onnxruntime knows moved to
+    :data:`_RUNTIME_DOMAIN` (one walk for both), and whether there was one."""
     runtime_nodes = []
-    for node in _walk_nodes(proto.graph):
+    for node in _walk_all(nodes):
         if node.domain in ("", "ai.onnx"):
             if _runtime_only(node.op_type):
                 runtime_nodes.append(node)
         elif node.domain not in KNOWN_DOMAINS and (node.domain, node.op_type) not in local_functions:
-            return f"node '{node.name}' uses operator '{node.op_type}' of unknown domain '{node.domain}'"
+            return f"node '{node.name}' uses operator '{node.op_type}' of unknown domain '{node.domain}'", False
     for node in runtime_nodes:
         node.domain = _RUNTIME_DOMAIN
-    if runtime_nodes:
-        proto.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
-    return None
+    return None, bool(runtime_nodes)
 
 
 # Where the checker sees a default-domain op that onnx has no schema for but onnxruntime
@@ -119,17 +205,17 @@ def _onnxruntime_default_ops() -> frozenset[str]:
     return _ORT_DEFAULT_OPS
 
 
-# the default-domain operators with graph attributes (the ONNX spec's control flow); an op of
-# any other domain may have them too
-_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
-
-
 def _walk_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of its subgraphs.  Only a node that can own a subgraph has
+    """Every node of ``graph`` and of its subgraphs."""
+    yield from _walk_all(graph.node)
+
+
+def _walk_all(nodes):
+    """Every node of ``nodes`` and of their subgraphs.  Only a node that can own a subgraph has
     its attributes read: the check walks every node after every pass."""
-    for node in graph.node:
+    for node in nodes:
         yield node
-        if node.op_type in _SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
+        if node.op_type in SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
             for attr in node.attribute:
                 if attr.type == onnx.AttributeProto.GRAPH:
                     yield from _walk_nodes(attr.g)

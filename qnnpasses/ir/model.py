@@ -11,6 +11,7 @@ bytes, streaming each tensor once into the output.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -219,6 +220,8 @@ def _make_stub(key: tuple) -> _StubValues:
 # Stubs by (name, dtype, dims, source index), NodeProtos by _node_key, main-graph
 # ValueInfoProtos by _value_info_key.
 _STUBS, _NODE_PROTOS, _VALUE_INFOS = _LastExport(), _LastExport(), _LastExport()
+# serialized GraphProto.node entries by _node_key (export_for_check)
+_NODE_ENTRIES = _LastExport()
 
 
 @dataclass
@@ -266,14 +269,22 @@ class IRModel:
         return IRModel(**fields)
 
 
+#: the default-domain operators with graph attributes (the ONNX spec's control flow); an op of
+#: any other domain may have them too
+SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+_DEFAULT_DOMAINS = frozenset({"", "ai.onnx", None})
+
+
 def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
     """``graph`` and every subgraph in its nodes' attributes, depth first.  Runs several times
-    per pass (the manager's fingerprint and snapshot walk every graph), so it reads each
-    attribute once and no list item but the first: an ONNX attribute list holds one type."""
+    per pass (the manager's fingerprint and snapshot walk every graph), so it reads the
+    attributes only of a node that can own a subgraph (:data:`SUBGRAPH_OPS`, or an op of
+    another domain), each once, and no list item but the first: an ONNX attribute list holds
+    one type."""
     yield graph
     for node in graph.nodes:
         attrs = node.attrs
-        if not attrs:
+        if not attrs or (node.op not in SUBGRAPH_OPS and node.domain in _DEFAULT_DOMAINS):
             continue
         for value in attrs.values():
             if isinstance(value, gs.Graph):
@@ -407,6 +418,58 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
     ``value_infos=False`` leaves out the intermediate tensors' types and shapes (the main
     graph's): what a check that re-infers them from scratch needs, at about half the cost.
     """
+    with _stubs_in_place(ir, threshold) as sources:
+        proto = _export_model(ir.graph, value_infos, _export_nodes(ir.graph.nodes))
+    _set_model_fields(proto, ir)
+    return proto, sources
+
+
+def export_for_check(ir: IRModel) -> tuple[onnx.ModelProto, list[tuple[gs.Node, bytes | onnx.NodeProto]]]:
+    """What a graph check serializes, in parts: :func:`export_with_stubs` (no value infos)
+    without the main graph's nodes, and each of those nodes with either its serialized
+    ``GraphProto.node`` entry (field tag, length, NodeProto bytes: the last export's where the
+    node still holds the same, see :func:`_node_key`) or, for a node with a tensor, graph or
+    other non-plain attribute, its ``NodeProto`` (constants stubbed as above) for the caller
+    to edit and serialize.  Concatenated after the graph's own bytes the entries are the
+    graph's nodes in order (protobuf appends a repeated field's occurrences): checking a
+    graph after a pass that changed a few nodes costs a dictionary lookup per node instead of
+    building and copying every NodeProto, then serializing them twice (checker, inference)."""
+    with _stubs_in_place(ir, STUB_THRESHOLD_BYTES):
+        proto = _export_model(ir.graph, False, [])
+        nodes = []
+        for node in ir.graph.nodes:
+            key = _node_key(node)
+            nodes.append((node, OnnxExporter.export_node(node) if key is None
+                          else _NODE_ENTRIES.reuse(key, lambda _, node=node: node_entry(OnnxExporter.export_node(node)))))
+        _NODE_ENTRIES.finish()
+    _set_model_fields(proto, ir)
+    return proto, nodes
+
+
+def node_entry(node: onnx.NodeProto) -> bytes:
+    """``node`` as one serialized occurrence of ``GraphProto.node`` (field 1, length-delimited)."""
+    return length_delimited(1, node.SerializeToString())
+
+
+def length_delimited(field_number: int, payload: bytes) -> bytes:
+    """A protobuf length-delimited field: its tag (wire type 2), the payload's length, both as
+    varints, then the payload."""
+    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+@contextlib.contextmanager
+def _stubs_in_place(ir: IRModel, threshold: int) -> Iterator[list[Source]]:
+    """While open, every constant of ``threshold`` bytes or more (and every external or derived
+    one, at any size) holds a stub instead of its values; yields the stubs' sources by index."""
     sources: list[Source] = []
     swapped: list[tuple[gs.Constant, object]] = []
     try:
@@ -422,11 +485,14 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
                 sources.append(_source_of(tensor))
                 swapped.append((tensor, tensor._values))
                 tensor._values = stub
-        proto = _export_model(ir.graph, value_infos)
+        yield sources
         _STUBS.finish()
     finally:
         for tensor, values in swapped:
             tensor._values = values
+
+
+def _set_model_fields(proto: onnx.ModelProto, ir: IRModel) -> None:
     proto.ir_version = ir.ir_version
     proto.producer_name = ir.producer_name
     proto.producer_version = ir.producer_version
@@ -436,15 +502,13 @@ def export_with_stubs(ir: IRModel, threshold: int = STUB_THRESHOLD_BYTES, *,
     del proto.metadata_props[:]
     for key, value in ir.metadata_props.items():
         proto.metadata_props.add(key=key, value=value)
-    return proto, sources
 
 
-def _export_model(graph: gs.Graph, value_infos: bool) -> onnx.ModelProto:
+def _export_model(graph: gs.Graph, value_infos: bool, nodes: list[onnx.NodeProto]) -> onnx.ModelProto:
     """``gs.export_onnx(graph, do_type_check=False)``, byte for byte, with the main graph's
-    nodes from :func:`_export_nodes`; ``value_infos=False`` leaves out its intermediate
+    ``nodes`` (:func:`_export_nodes`'s); ``value_infos=False`` leaves out its intermediate
     value infos (and takes the initializers by name, see :func:`_initializers`)."""
     exporter = OnnxExporter
-    nodes = _export_nodes(graph.nodes)
     inputs = [exporter.export_value_info_proto(t, False) for t in graph.inputs]
     outputs = [exporter.export_value_info_proto(t, False) for t in graph.outputs]
     if value_infos:
