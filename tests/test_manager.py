@@ -470,3 +470,34 @@ def test_a_change_after_the_pass_s_own_check_is_still_checked_and_rolled_back(mo
     assert len(ir.graph.nodes) == nodes
     _assert_outputs_unchanged(ir)
 
+
+@register_pass
+class AnchoredAtSub(Pass):
+    """Declares Sub as its anchor and counts its runs; breaks the graph if it ever runs."""
+
+    name = "test-anchored-at-sub"
+    summary = "anchored at Sub, breaks the graph when run (tests only)"
+    anchor_ops = frozenset({"Sub"})
+    runs = 0
+
+    def run(self, ir, ctx):
+        type(self).runs += 1
+        _first(ir, "MatMul").inputs[0] = gs.Variable("nobody_makes_this", dtype=np.float32)
+        return PassResult(changed=True)
+
+
+def test_a_pass_whose_anchor_ops_are_absent_is_not_run(monkeypatch):
+    ir = load_model(fixture_path(FIXTURE))
+    assert not any(n.op == "Sub" for n in ir.graph.nodes)
+    AnchoredAtSub.runs = 0
+    calls = _count_checks(monkeypatch)
+    record = PassManager(parse_pipeline("test-anchored-at-sub"), RunConfig(verify=False)).run(ir).records[0]
+    assert (record.status, record.reason, AnchoredAtSub.runs, calls[0]) == (UNCHANGED, "no Sub in the graph", 0, 0)
+
+
+def test_a_pass_whose_anchor_op_is_present_runs_and_is_guarded():
+    # test-add-becomes-sub plants the Sub; the anchored pass then runs, breaks the graph and is rolled back
+    AnchoredAtSub.runs = 0
+    ir, result = _run("test-add-becomes-sub,test-anchored-at-sub", verify=False)
+    assert AnchoredAtSub.runs == 1
+    assert result.records[1].status == ROLLED_BACK and "graph check failed" in result.records[1].reason

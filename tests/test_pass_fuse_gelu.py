@@ -93,7 +93,9 @@ def test_gelu_feeding_gelu_both_fuse():
 @pytest.mark.parametrize("name, fused", [("bert_ts", 2), ("gpt2_ts", 2), ("gpt2_dynamo", 2), ("bert_dynamo", 0)])
 def test_fixtures(name, fused):
     ir, record = rewrite(fixture_path(name), inputs=fixture_inputs(name))
-    assert record.stats["fused"] == fused
+    # bert_dynamo's exporter writes Gelu itself: no Erf or Tanh to match, and the pass is not run
+    assert record.stats.get("fused", 0) == fused
+    assert (record.reason == "no Erf, Tanh in the graph") == (name == "bert_dynamo")
     assert ops(ir)["Gelu"] == 2 and ops(ir)["Erf"] == 0 and ops(ir)["Tanh"] == 0
     comparison = compare_outputs(fixture_outputs(name), run_cpu(ir, fixture_inputs(name)))
     assert comparison.max_abs <= 1e-4, comparison.failure()

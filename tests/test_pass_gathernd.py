@@ -76,8 +76,10 @@ def test_variable_indices_are_kept_with_a_reason():
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_gathernd_on_fixture(name):
     ir, records = run_passes(simplified_fixture(name), "gathernd")
-    expected = {"rewritten": 1, "to_reshape": 1} if name in DYNAMO else {"rewritten": 0}
-    assert records["gathernd"].stats == expected
+    if name in DYNAMO:
+        assert records["gathernd"].stats == {"rewritten": 1, "to_reshape": 1}
+    else:  # only dynamo writes a GatherND: the pass has nothing to match and is not run
+        assert (records["gathernd"].status, records["gathernd"].reason) == ("unchanged", "no GatherND in the graph")
     assert "GatherND" not in op_counts(ir)
     if name in DYNAMO:
         assert max_abs_vs_reference(ir, name) <= 1e-4

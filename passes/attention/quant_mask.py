@@ -51,6 +51,7 @@ from qnnpasses.passmanager.rewrite import finish
 @register_pass
 class QuantMask(Pass):
     name = "quant-mask"
+    anchor_ops = frozenset({"Softmax"})
     summary = "attention mask -1e4/finfo.min => -(calibrated score spread + margin): small range for QDQ"
     # Not verified on CASE_PADDED_LEFT: a causal model's left-padded query rows see no key at all;
     # there the causal and padding masks add up unevenly (-M vs -2M), so those rows -- outputs

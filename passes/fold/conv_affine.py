@@ -92,6 +92,7 @@ def fold_once(ir: IRModel, ctx: PassContext) -> int:
 @register_pass
 class FoldConvAffine(Pass):
     name = "fold-conv-affine"
+    anchor_ops = frozenset({"Conv"})
     summary = "Conv -> BatchNormalization / Mul(const) / Add(const) per channel => one Conv"
     contract = assumes("inputs at the scale the model works at: the folded weights are rounded once to float32, "
                        "which inputs x1000 (the 'extreme' verification case) amplify past the tight tolerance "

@@ -77,6 +77,7 @@ def plan(node: gs.Node, opset: int) -> tuple[Form, str] | tuple[None, str]:
 @register_pass
 class GatherNDToGather(Pass):
     name = "gathernd"
+    anchor_ops = frozenset({"GatherND"})
     summary = "GatherND(data, constant indices) => Reshape / Slice / Gather (HTP has no GatherND)"
     contract = EXACT
     requires = frozenset({FOLDED})

@@ -30,6 +30,7 @@ _FLOATS = (np.dtype(np.float16), np.dtype(np.float32))
 @register_pass
 class LowerCastToBool(Pass):
     name = "lower-cast-to-bool"
+    anchor_ops = frozenset({"Cast"})
     summary = "Cast(x float, to=bool) => Not(Equal(x, 0)) (the HTP rejects the cast)"
     contract = EXACT
     requires = frozenset({FOLDED})

@@ -46,6 +46,7 @@ _UNSUPPORTED_ATTRS = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax":
 @register_pass
 class LowerGQA(Pass):
     name = "lower-gqa"
+    anchor_ops = frozenset({"GroupQueryAttention"})
     summary = "com.microsoft.GroupQueryAttention => explicit attention with rotary, past/present KV as graph I/O"
     contract = assumes("no padding: past_key holds exactly the tokens already seen and attention_mask is all ones")
     ensures = frozenset({CONTRIB_LOWERED})

@@ -45,6 +45,7 @@ DQ_BLOCK_OPSET = 21
 @register_pass
 class LowerMatMulNBits(Pass):
     name = "lower-matmulnbits"
+    anchor_ops = frozenset({"MatMulNBits"})
     summary = "com.microsoft.MatMulNBits => DequantizeLinear(int4, block-wise) + MatMul"
     contract = approximate(
         why="onnxruntime's MatMulNBits with accuracy_level=4 quantizes activations to int8 on the CPU; "

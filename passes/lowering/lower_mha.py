@@ -32,6 +32,7 @@ from qnnpasses.passmanager.rewrite import finish
 @register_pass
 class LowerMHA(Pass):
     name = "lower-mha"
+    anchor_ops = frozenset({"MultiHeadAttention"})
     summary = "com.microsoft.MultiHeadAttention (3-D Q/K/V) => softmax(Q·Kᵀ·scale + bias)·V"
     contract = EXACT
     ensures = frozenset({CONTRIB_LOWERED})

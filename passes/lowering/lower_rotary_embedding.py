@@ -29,6 +29,7 @@ from qnnpasses.passmanager.rewrite import finish
 @register_pass
 class LowerRotaryEmbedding(Pass):
     name = "lower-rotary-embedding"
+    anchor_ops = frozenset({"RotaryEmbedding"})
     summary = "com.microsoft.RotaryEmbedding => x*cos + (x@R)*sin (the rotary pass's form)"
     contract = EXACT
     ensures = frozenset({CONTRIB_LOWERED})

@@ -46,6 +46,7 @@ def _domain(node) -> str:
 @register_pass
 class DecomposeGelu(Pass):
     name = "decompose-gelu"
+    anchor_ops = frozenset(op for op, _ in GELU_OPS)
     summary = "Gelu / com.microsoft Gelu, FastGelu, BiasGelu => Tanh form or Erf-free exact form"
     contract = EXACT
     requires = frozenset({GELU_FUSED})

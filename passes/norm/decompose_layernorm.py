@@ -39,6 +39,7 @@ from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant,
 @register_pass
 class DecomposeLayerNorm(Pass):
     name = "decompose-layernorm"
+    anchor_ops = frozenset({"LayerNormalization"})
     summary = "LayerNormalization (axis not last / rank > 4) => Reshape+LayerNorm(last) or fp16-safe primitives"
     contract = EXACT
     requires = frozenset({NORMS_FUSED})

@@ -63,6 +63,7 @@ from qnnpasses.passmanager.rewrite import (
 @register_pass
 class FP16Safety(Pass):
     name = "fp16-safety"
+    anchor_ops = frozenset({"ReduceMean", "Exp"})  # a decomposed norm's mean; a softmax's Exp
     summary = "overflow-free RMSNorm/LayerNorm variance (per-row sqrt(max) scaling); Exp/ReduceSum/Div => Softmax"
     contract = EXACT
     requires = frozenset({NORMS_FUSED, NORMS_FINAL, GELU_FUSED})

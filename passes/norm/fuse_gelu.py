@@ -36,6 +36,7 @@ GELU_OPSET = 20
 @register_pass
 class FuseGelu(Pass):
     name = "fuse-gelu"
+    anchor_ops = frozenset(FORMS)
     summary = "0.5*x*(1+Erf(x/sqrt2)) / 0.5*x*(1+Tanh(sqrt(2/pi)(x+0.044715x^3))) => Gelu"
     contract = EXACT
     requires = frozenset({FOLDED})

@@ -35,6 +35,7 @@ LAYERNORM_OPSET = 17
 @register_pass
 class FuseLayerNorm(Pass):
     name = "fuse-layernorm"
+    anchor_ops = frozenset({"ReduceMean"})
     summary = "ReduceMean->Sub->Pow->ReduceMean->Add(eps)->Sqrt->Div[->Mul(g)->Add(b)] => LayerNormalization"
     contract = EXACT
     requires = frozenset({FOLDED})

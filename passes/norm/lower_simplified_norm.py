@@ -53,6 +53,7 @@ def _kind(node: gs.Node) -> str | None:
 @register_pass
 class LowerSimplifiedNorm(Pass):
     name = "lower-simplified-norm"
+    anchor_ops = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"})
     summary = "(Skip)SimplifiedLayerNormalization (onnxruntime) => [Add(x, skip) ->] RMSNormalization"
     contract = EXACT
     ensures = frozenset({ORT_NORMS_LOWERED, CONTRIB_LOWERED})  # onnxruntime-only ops gone: fix-shapes after it

@@ -57,6 +57,7 @@ def silu_mul(sigmoid, graph):
 @register_pass
 class SiluTanh(Pass):
     name = "silu-tanh"
+    anchor_ops = frozenset({"Sigmoid"})
     summary = "x*Sigmoid(x) => h*Tanh(h)+h, h=x/2 (optionally Sigmoid(x) => 0.5*Tanh(x/2)+0.5): the fp16-precise SiLU"
     contract = EXACT
     requires = frozenset()

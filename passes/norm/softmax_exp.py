@@ -59,6 +59,7 @@ def softmax_axis(node, opset: int) -> tuple[int | None, str]:
 @register_pass
 class SoftmaxExp(Pass):
     name = "softmax-exp"
+    anchor_ops = frozenset({"Softmax"})
     summary = (f"Softmax(x) => Exp(Max(x - ReduceMax(x), {EXP_FLOOR:g})) / ReduceSum(...): "
                "the fp16-precise Softmax on the HTP")
     contract = EXACT

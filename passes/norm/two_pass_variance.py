@@ -131,6 +131,7 @@ def _clamp_consumer(sub: gs.Node, graph: gs.Graph) -> gs.Node | None:
 @register_pass
 class TwoPassVariance(Pass):
     name = "two-pass-variance"
+    anchor_ops = frozenset({"Sub"})
     summary = "E[x^2]-E[x]^2 (Flax/Keras LayerNorm variance) => E[(x-E[x])^2], which fp16 holds"
     contract = approximate(
         why="the same function, but the original's one-pass variance loses digits to fp32 cancellation (magika: up to 5% "

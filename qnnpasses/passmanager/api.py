@@ -30,6 +30,8 @@ What it declares, the pass manager enforces:
 ``ensures``     properties that hold after the pass; checked where a checker exists.
 ``Options``     a dataclass: typed options with defaults, settable from the
                 textual pipeline (``name{key=value}``).
+``anchor_ops``  op types one of which every match contains; a graph without any
+                is left alone without running the pass.
 ==============  ===============================================================
 
 Contracts:
@@ -318,6 +320,11 @@ class Pass:
     ensures: ClassVar[frozenset[str]] = frozenset()
     Options: ClassVar[type] = NoOptions
     lossless: ClassVar[bool] = True  # derived from contract (False: needs --allow-lossy); kept for old plugins
+    #: op types of which every subgraph the pass rewrites holds at least one (as MLIR's and
+    #: onnxscript's rewrite patterns name the op they are rooted at).  When no node of the graph
+    #: or of its subgraphs has one, the manager records the pass unchanged without running it
+    #: (nor walking the graph around it).  Empty: the pass always runs.
+    anchor_ops: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

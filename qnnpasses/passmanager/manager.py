@@ -2,7 +2,8 @@
 
 For each pass it enforces the pass's declaration: a contract that needs opting in runs only
 with ``allow_lossy``; a required property with a checker must hold (else the pass is
-skipped with the reason).  It takes a snapshot for rollback (``snapshot.py``) and runs the pass.  Whether the graph
+skipped with the reason); a graph with none of the pass's ``anchor_ops`` has nothing it can
+match, and the pass is recorded unchanged without running.  It takes a snapshot for rollback (``snapshot.py``) and runs the pass.  Whether the graph
 changed is decided by a structural fingerprint taken before and after (O(nodes), see
 ``fingerprint.py``), never by the pass's ``PassResult.changed``: a pass that says
 "unchanged" and changed the graph is treated as changed and recorded as misreported.
@@ -148,6 +149,11 @@ def _fill_structural_delta(record: PassRecord, before: list[tuple[str, str]], af
     record.op_delta = {op: count for op, count in sorted(delta.items()) if count}
 
 
+def _has_op(ir: IRModel, ops: frozenset[str]) -> bool:
+    """Whether a node of the graph or of a subgraph has one of the op types ``ops``."""
+    return any(node.op in ops for graph in ir.graphs() for node in graph.nodes)
+
+
 def _first_line(exc: BaseException, limit: int = 300) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
@@ -276,6 +282,10 @@ class PassManager:
         skip = self._skip_reason(pass_, ir)
         if skip:
             record.status, record.reason = SKIPPED, skip
+        elif pass_.anchor_ops and not _has_op(ir, pass_.anchor_ops):
+            # nothing to match: the graph, its fingerprint and the spare snapshot stay as they are
+            record.reason = f"no {', '.join(sorted(pass_.anchor_ops))} in the graph"
+            self._check_ensures(pass_, ir, record)
         else:
             self._apply(pass_, ir, record)
         self.records.append(record)

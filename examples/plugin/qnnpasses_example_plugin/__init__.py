@@ -36,6 +36,7 @@ class DropNeutralArithmetic(Pass):
     contract = EXACT                    # IEEE x+0, x*1, ... are x: verified with the tight tolerance
     requires = frozenset({FOLDED})      # after simplify: neutral constants are initializers by then
     ensures = frozenset()
+    anchor_ops = frozenset(NEUTRAL)     # a graph without Add/Sub/Mul/Div has nothing to drop
 
     @dataclass
     class Options:
