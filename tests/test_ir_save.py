@@ -10,8 +10,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from conftest import fixture_path
+
 from qnnpasses.ir.load import load_model
-from qnnpasses.ir.model import save_model
+from qnnpasses.ir.model import export_with_stubs, resolve_stubs, save_model
 
 SIZE = 1 << 18  # float32 elements: 1 MB per weight, above the alignment threshold
 
@@ -82,3 +84,47 @@ def test_save_proto_rewrites_a_loaded_model_in_place(tmp_path):
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
     assert np.frombuffer(want, np.float32).tolist() == np.concatenate([weights["w1"], weights["w2"]]).tolist()
     assert sorted(os.listdir(tmp_path / "in")) == ["model.onnx"]  # no temporary file left
+
+
+def _filled_in_memory(ir) -> bytes:
+    """What an inline save held whole before it streamed: every stub filled into the proto, serialized."""
+    proto, sources = export_with_stubs(ir)
+    resolve_stubs(proto, sources, None)
+    return proto.SerializeToString()
+
+
+INLINE_CASES = """
+<ir_version: 10, opset_import: ["" : 21]>
+g (float[4, 512] x, bool c) => (float[4, 512] y, float[4, 512] z) {
+  k = Constant<value = float[512] {%s}>()
+  a = Add(x, k)
+  y = Add(a, w)
+  q = DequantizeLinear(w4, s)
+  z = If(c) <then_branch = t () => (float[4, 512] u) { u = Mul(a, q) }, else_branch = e () => (float[4, 512] v) { v = Sub(a, x) }>
+}
+""" % ",".join(["0.5"] * 512)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_kv_ts", "gpt2_dynamo", "bert_ts", "attributes"])
+def test_an_inline_save_streams_the_bytes_the_filled_proto_serializes_to(tmp_path, name):
+    if name == "attributes":  # a stubbed Constant node, an int4 weight, a subgraph
+        proto = onnx.parser.parse_model(INLINE_CASES)
+        rng = np.random.default_rng(0)
+        proto.graph.initializer.extend([
+            onnx.numpy_helper.from_array(rng.standard_normal((4, 512)).astype(np.float32), "w"),
+            helper.make_tensor("w4", TensorProto.INT4, [4, 512], rng.integers(-8, 8, 2048).tolist()),
+            onnx.numpy_helper.from_array(np.float32(0.1), "s")])
+        ir = load_model(proto)
+    else:
+        ir = load_model(fixture_path(name))
+    save_model(ir, tmp_path / "model.onnx", external_data=False)
+    assert (tmp_path / "model.onnx").read_bytes() == _filled_in_memory(ir)
+    assert not (tmp_path / "model.onnx.data").exists()
+    if name == "attributes":  # the int4 weight given as int32_data is written packed, as raw_data holds it
+        import onnxruntime as ort
+
+        feeds = {"x": np.random.default_rng(1).standard_normal((4, 512)).astype(np.float32), "c": np.array(True)}
+        want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        got = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)

@@ -294,6 +294,16 @@ def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
                     yield from iter_graphs(sub)
 
 
+def node_count(graph: gs.Graph) -> int:
+    """How many nodes ``graph`` and its subgraphs hold."""
+    return sum(len(g.nodes) for g in iter_graphs(graph))
+
+
+def has_op(graph: gs.Graph, ops: frozenset[str]) -> bool:
+    """Whether a node of ``graph`` or of a subgraph has one of the op types ``ops``."""
+    return any(node.op in ops for g in iter_graphs(graph) for node in g.nodes)
+
+
 def const_nbytes(tensor: gs.Constant) -> int:
     values = tensor._values
     if isinstance(values, LazyValues):
@@ -674,8 +684,8 @@ def source_bytes(source: Source) -> Iterator[bytes | memoryview]:
     elif isinstance(source, onnx.TensorProto):
         if source.HasField("raw_data"):
             yield source.raw_data
-        else:
-            yield np.ascontiguousarray(onnx.numpy_helper.to_array(source)).tobytes()
+        else:  # typed fields (int32_data, ...): the array's bytes as raw_data stores them (4-bit packed)
+            yield from source_bytes(onnx.numpy_helper.to_array(source))
     elif isinstance(source, np.ndarray) and source.dtype.name in ("int4", "uint4"):
         yield onnx.numpy_helper.from_array(source).raw_data  # ml_dtypes 4-bit values: ONNX packs two per byte
     else:
@@ -817,15 +827,17 @@ def _write_files(proto: onnx.ModelProto, sources: list[Source], out: Path, data_
     tmp_model = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp_data = data_file.with_name(f".{data_file.name}.tmp-{os.getpid()}") if data_file else None
     try:
-        resolve_stubs(proto, sources, tmp_data)
-        if tmp_data is not None:
+        if tmp_data is None:
+            _write_inline(proto, sources, tmp_model)
+        else:
+            resolve_stubs(proto, sources, tmp_data)
             # the proto must name the final data file, not the temporary one
             for tensor in _all_initializers(proto.graph):
                 for entry in tensor.external_data:
                     if entry.key == "location" and entry.value == tmp_data.name:
                         entry.value = data_file.name
-        with open(tmp_model, "wb") as fh:
-            fh.write(proto.SerializeToString())
+            with open(tmp_model, "wb") as fh:
+                fh.write(proto.SerializeToString())
         if tmp_data is not None:
             os.replace(tmp_data, data_file)
         os.replace(tmp_model, out)
@@ -834,6 +846,86 @@ def _write_files(proto: onnx.ModelProto, sources: list[Source], out: Path, data_
             if tmp is not None and tmp.exists():
                 tmp.unlink()
         raise
+
+
+def _write_inline(proto: onnx.ModelProto, sources: list[Source], path: Path) -> None:
+    """Write ``proto`` to ``path`` with every stub inline: the bytes ``resolve_stubs(proto,
+    sources, None)`` then ``SerializeToString()`` would give, in the same canonical field order,
+    but with the main graph's stubbed initializers streamed from their sources into the file.
+    Filling them into the proto first held every weight three times over at the end (the
+    sources' bytes, the proto's copy, the serialized model): a 128-layer TorchScript LLaMA's
+    save spent more time in the kernel, faulting those pages in, than writing.  Tensors in node
+    attributes and subgraphs are filled in place as before (few, and small in every export seen)."""
+    graph = proto.graph
+    streamed: dict[int, tuple[int, int]] = {}  # initializer position -> (source index, bytes)
+    for position, tensor in enumerate(graph.initializer):
+        index = stub_index(tensor)
+        size = -1 if index is None or tensor.data_type == onnx.TensorProto.STRING else _tensor_nbytes(tensor)
+        if size >= 0 and not tensor.HasField("doc_string") and not tensor.HasField("segment"):
+            # as resolve_stubs leaves it, less the raw_data (field 9, after every field a stub sets)
+            del tensor.external_data[:]
+            tensor.ClearField("data_location")
+            streamed[position] = (index, size)
+    resolve_stubs(proto, sources, None)  # what is left: attribute and subgraph tensors
+    heads = [tensor.SerializeToString() for tensor in graph.initializer]
+    del graph.initializer[:]
+    graph_bytes = graph.SerializeToString()
+    proto.ClearField("graph")
+    model_bytes = proto.SerializeToString()
+    # canonical order: GraphProto's node (1) and name (2) before the initializers (5), the rest
+    # after; ModelProto's fields 1-6 before its graph (7), the rest after
+    graph_split, model_split = _first_field_after(graph_bytes, 5), _first_field_after(model_bytes, 7)
+    entries = []
+    for position, head in enumerate(heads):
+        index, size = streamed.get(position, (None, 0))
+        raw = _varint(9 << 3 | 2) + _varint(size) if index is not None else b""
+        entries.append((_varint(5 << 3 | 2) + _varint(len(head) + len(raw) + size) + head + raw, index, size))
+    graph_length = len(graph_bytes) + sum(len(entry) + size for entry, _, size in entries)
+    with open(path, "wb") as fh:
+        fh.write(model_bytes[:model_split])
+        fh.write(_varint(7 << 3 | 2) + _varint(graph_length))
+        fh.write(graph_bytes[:graph_split])
+        for entry, index, size in entries:
+            fh.write(entry)
+            if index is None:
+                continue
+            written = 0
+            for chunk in source_bytes(sources[index]):
+                written += fh.write(chunk)
+            if written != size:
+                raise ValueError(f"weight {index} gave {written} bytes where its tensor holds {size}")
+        fh.write(graph_bytes[graph_split:])
+        fh.write(model_bytes[model_split:])
+
+
+def _first_field_after(data: bytes, number: int) -> int:
+    """Offset in the serialized message ``data`` of its first field numbered above ``number``
+    (``len(data)`` if none): where the fields up to ``number`` end in canonical order."""
+    position = 0
+    while position < len(data):
+        tag, after = _read_varint(data, position)
+        if tag >> 3 > number:
+            return position
+        wire = tag & 7
+        if wire == 2:
+            length, after = _read_varint(data, after)
+            position = after + length
+        elif wire == 0:
+            position = _read_varint(data, after)[1]
+        else:  # fixed 64 or 32 bits (no group fields in onnx.proto)
+            position = after + (8 if wire == 1 else 4)
+    return position
+
+
+def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]
+        value |= (byte & 0x7F) << shift
+        position += 1
+        if byte < 0x80:
+            return value, position
+        shift += 7
 
 
 #: Bits of an ONNX tensor element type whose numpy itemsize is not its storage (packed 4-bit types).
