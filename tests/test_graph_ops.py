@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 
 import onnx.parser
+import onnx_graphsurgeon as gs
 import pytest
 from conftest import FIXTURE_NAMES, fixture_path
 
 from qnnpasses.ir import graph_ops
 from qnnpasses.ir.load import load_model
+from qnnpasses.ir.read import is_graph_input, is_graph_output
 
 NAMES = [n for n in FIXTURE_NAMES if n.endswith("_ts")][:4] + [n for n in FIXTURE_NAMES if n.endswith("_dynamo")][:2]
 
@@ -61,3 +63,14 @@ def test_cycles_and_subgraphs_go_to_graphsurgeon():
     assert not graph_ops._simple(graph)
     copy = graph_ops.copy_graph(graph)
     assert [n.op for n in graph_ops.finish_graph(copy).nodes] == ["If"]
+
+
+def test_graph_output_and_input_membership_is_graphsurgeons():
+    # is_graph_output / is_graph_input answer `tensor in graph.outputs` / `.inputs` (tensors equal
+    # by name) for every tensor of a KV-cache export, a renamed stand-in included
+    ir = load_model(fixture_path("llama_gqa_kv_ts"))
+    graph = ir.graph
+    tensors = list(graph.tensors().values()) + [gs.Variable(graph.outputs[0].name), gs.Variable("nobody")]
+    assert [is_graph_output(graph, t) for t in tensors] == [t in graph.outputs for t in tensors]
+    assert [is_graph_input(graph, t) for t in tensors] == [t in graph.inputs for t in tensors]
+    assert sum(is_graph_output(graph, t) for t in tensors) == len(graph.outputs) + 1

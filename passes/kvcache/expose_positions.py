@@ -41,7 +41,7 @@ import onnx_graphsurgeon as gs
 from qnnpasses.ir.model import IRModel
 from qnnpasses.ir.kv_roles import embedding_indices, feeds_rotary, index_input, rotary_gathers
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
-from qnnpasses.passmanager.rewrite import emit, finish
+from qnnpasses.passmanager.rewrite import emit, finish, is_graph_input
 
 _FLOAT_KINDS = "f"
 
@@ -89,7 +89,7 @@ class ExposePositions(Pass):
         if any(index_input(g.inputs[1], graph) is not None for g in gathers):
             return PassResult(changed=False, notes=["an integer graph input already indexes the rotary tables"])
         ids = embedding_indices(list(graph.inputs))
-        casts = [c for c in rotary_position_casts(graph) if c.inputs[0] not in graph.inputs]
+        casts = [c for c in rotary_position_casts(graph) if not is_graph_input(graph, c.inputs[0])]
         casts += [g for g in gathers if g not in casts]
         if ids is None or not casts:
             return PassResult(changed=False, notes=["no rotary computed from derived positions"])

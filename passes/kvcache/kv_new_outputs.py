@@ -26,12 +26,12 @@ import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import Pass, PassContext, PassResult, changes_interface, register_pass
-from qnnpasses.passmanager.rewrite import finish, producer
+from qnnpasses.passmanager.rewrite import finish, is_graph_input, is_graph_output, producer
 
 
 def graph_input_behind(tensor: gs.Tensor, graph: gs.Graph) -> gs.Tensor | None:
     """The graph input ``tensor`` is, looking back through Identity and one-input Concats."""
-    while tensor not in graph.inputs:
+    while not is_graph_input(graph, tensor):
         node = producer(tensor)
         if node is None or not (node.op == "Identity" or (node.op == "Concat" and len(node.inputs) == 1)):
             return None
@@ -65,8 +65,8 @@ class KvNewOutputs(Pass):
             if node is None or node.op != "Concat" or len(node.inputs) != 2:
                 continue
             past, new = node.inputs
-            if graph_input_behind(past, graph) is None or isinstance(new, gs.Constant) or new in graph.inputs \
-                    or new in graph.outputs or not new.inputs:
+            if graph_input_behind(past, graph) is None or isinstance(new, gs.Constant) or is_graph_input(graph, new) \
+                    or is_graph_output(graph, new) or not new.inputs:
                 continue
             name = new_output_name(out.name, self.options.replace, self.options.by)
             if name in taken and name != new.name:

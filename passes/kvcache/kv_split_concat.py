@@ -40,6 +40,7 @@ from qnnpasses.passmanager.rewrite import (
     emit,
     emit_slice,
     finish,
+    is_graph_output,
     make_constant,
     normalize_axis,
     static_shape,
@@ -119,7 +120,7 @@ class _Distributor:
                     self.notes.append(f"{consumer.op} '{consumer.name}' still reads Concat '{concat.name}'")
                 elif made is not False:
                     queue.append(made)
-            if not out.outputs and out not in self.graph.outputs:
+            if not out.outputs and not is_graph_output(self.graph, out):
                 concat.inputs.clear()
                 concat.outputs.clear()
 

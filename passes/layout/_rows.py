@@ -30,6 +30,7 @@ from qnnpasses.passmanager.rewrite import (
     emit_reshape,
     input_value,
     is_constant,
+    is_graph_output,
     make_constant,
     static_shape,
     swap,
@@ -119,7 +120,7 @@ class _Region:
         if not (t.inputs and self.inside(t.inputs[0])):
             return 0
         rigid = [c for c in t.outputs if not self.inside(c) and not _flexible(c, t)]
-        return 1 if rigid or t in self.graph.outputs else 0
+        return 1 if rigid or is_graph_output(self.graph, t) else 0
 
     def saving(self) -> int:
         """FC Reshapes saved plus boundary Reshapes that become identities, minus Reshapes added."""

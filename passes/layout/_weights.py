@@ -40,6 +40,7 @@ from qnnpasses.passmanager.rewrite import (
     emit,
     input_value,
     is_constant,
+    is_graph_output,
     make_constant,
     node_key,
     normalize_axis,
@@ -172,7 +173,7 @@ def rewrite_split_proj(ir: IRModel, ctx: PassContext, stats: dict, notes: list) 
     done = 0
     for node, proj in _projections(ir):
         out = node.outputs[0]
-        if proj is None or static_shape(out) is None or out in ir.graph.outputs or not out.outputs:
+        if proj is None or static_shape(out) is None or is_graph_output(ir.graph, out) or not out.outputs:
             continue
         if proj.bias is not None and not proj.gemm:
             continue

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from qnnpasses.ir.read import is_graph_input, is_graph_output
 from qnnpasses.ir.shapes import is_static
 
 Interval = tuple[int, int]
@@ -221,7 +222,7 @@ class Region:
                 return f"produced by {p.op}, which is not lowered"
             if p is not None and p.op in ("Cast", "ConstantOfShape") and not fits_int32(ranges.get(id(m))):
                 return f"{p.op} to int64 of values that may not fit int32"
-        interface_change = inputs_int32 and any(m in graph.inputs for m in self.members)
+        interface_change = inputs_int32 and any(is_graph_input(graph, m) for m in self.members)
         indexes = any(c is not None and (c.op, port) in INDEX_PORTS for c, port, _ in self.uses)
         if not self.nodes and not interface_change and not indexes:
             return "no compute use (only casts, int64-only ports or outputs)"
@@ -232,7 +233,7 @@ class Region:
         for consumer, port, member in self.uses:
             if consumer is None:
                 return "values not provably within int32, and they reach a graph output"
-            direct_input_cast = consumer.op == "Cast" and member in graph.inputs and not inputs_int32
+            direct_input_cast = consumer.op == "Cast" and is_graph_input(graph, member) and not inputs_int32
             if not ((consumer.op, port) in INDEX_PORTS | INT64_ONLY_PORTS or direct_input_cast):
                 return "values not provably within int32, and they reach a value use (cast, compare, output)"
         return None
@@ -268,6 +269,6 @@ def find_regions(graph: gs.Graph) -> list[Region]:
         for m in region.members:
             region.uses += [(c, p, m) for c in m.outputs for p, t in enumerate(c.inputs)
                             if t is m and (id(c), p) not in internal]
-            if m in graph.outputs:
+            if is_graph_output(graph, m):
                 region.uses.append((None, 0, m))
     return list(regions.values())

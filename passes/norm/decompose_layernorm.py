@@ -33,7 +33,7 @@ from qnnpasses.passes.norm._graph import (
 
 from qnnpasses.ir.model import IRModel
 from qnnpasses.passmanager.api import EXACT, NORMS_FINAL, NORMS_FUSED, Pass, PassContext, PassResult, register_pass
-from qnnpasses.passmanager.rewrite import constant_value, finish, make_constant, make_node, make_reduce
+from qnnpasses.passmanager.rewrite import constant_value, finish, is_graph_output, make_constant, make_node, make_reduce
 
 
 @register_pass
@@ -59,7 +59,7 @@ class DecomposeLayerNorm(Pass):
         stats, notes = {"reshaped": 0, "decomposed": 0, "kept_native": 0}, []
         rewired = Replacements(ir.graph)
         for node in [n for n in ir.graph.nodes if n.op == "LayerNormalization" and n.domain in (None, "", "ai.onnx")]:
-            if any(len(t.outputs) or t in ir.graph.outputs for t in node.outputs[1:] if t.name):
+            if any(len(t.outputs) or is_graph_output(ir.graph, t) for t in node.outputs[1:] if t.name):
                 notes.append(f"{node.name}: Mean/InvStdDev outputs are used")
                 continue
             r, axis = rank(node.inputs[0]), int(node.attrs.get("axis", -1))

@@ -53,6 +53,7 @@ from qnnpasses.passmanager.api import (
 from qnnpasses.passmanager.probe import calibration_samples
 from qnnpasses.passmanager.rewrite import (
     finish,
+    is_graph_output,
     make_node,
     producer_op,
     replace_all_uses,
@@ -149,7 +150,7 @@ def _fuse_softmaxes(ir: IRModel, ctx: PassContext) -> int:
     count = 0
     for exp in [n for n in ir.graph.nodes if n.op == "Exp"]:
         e = exp.outputs[0]
-        if len(e.outputs) != 2 or e in ir.graph.outputs:
+        if len(e.outputs) != 2 or is_graph_output(ir.graph, e):
             continue
         total = next((n for n in e.outputs if n.op == "ReduceSum"), None)
         div = next((n for n in e.outputs if n.op == "Div"), None)

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qnnpasses.ir.op_kinds import RESHAPES
-from qnnpasses.passmanager.rewrite import constant_value, producer
+from qnnpasses.passmanager.rewrite import constant_value, is_graph_output, producer
 
 NORM_OPS = ("RMSNormalization",)
 #: normalizations whose output does not change when their input and epsilon are rescaled together
@@ -84,7 +84,7 @@ def trace_projection(graph: gs.Graph, t: gs.Tensor, hidden: int, norm_ops: tuple
     ``(Add, constant index)`` biases on the way, "") or (None, [], why not)."""
     biases = []
     while True:
-        if len(t.outputs) != 1 or t in graph.outputs:
+        if len(t.outputs) != 1 or is_graph_output(graph, t):
             return None, [], f"'{t.name}' has other readers"
         node = producer(t)
         if node is None:

@@ -33,7 +33,7 @@ from qnnpasses.passmanager.api import (
     register_pass,
 )
 from qnnpasses.passmanager.probe import calibration_samples, intermediate_values
-from qnnpasses.passmanager.rewrite import constant_value, make_constant, producer
+from qnnpasses.passmanager.rewrite import constant_value, is_graph_output, make_constant, producer
 
 
 def _gated(graph, node) -> tuple | None:
@@ -41,7 +41,7 @@ def _gated(graph, node) -> tuple | None:
     if node.op != "MatMul" or constant_value(node.inputs[1]) is None or constant_value(node.inputs[1]).ndim != 2:
         return None
     mul = producer(node.inputs[0])
-    if mul is None or mul.op != "Mul" or len(mul.outputs[0].outputs) != 1 or mul.outputs[0] in graph.outputs:
+    if mul is None or mul.op != "Mul" or len(mul.outputs[0].outputs) != 1 or is_graph_output(graph, mul.outputs[0]):
         return None
     for t in mul.inputs:
         bias, up = None, producer(t)
@@ -49,7 +49,7 @@ def _gated(graph, node) -> tuple | None:
             consts = [i for i, x in enumerate(up.inputs) if constant_value(x) is not None]
             if len(consts) == 1:
                 bias, up = (up, consts[0]), producer(up.inputs[1 - consts[0]])
-        if up is None or up.op != "MatMul" or len(t.outputs) != 1 or t in graph.outputs:
+        if up is None or up.op != "MatMul" or len(t.outputs) != 1 or is_graph_output(graph, t):
             continue
         w = constant_value(up.inputs[1])
         if w is not None and w.ndim == 2 and w.shape[1] == constant_value(node.inputs[1]).shape[0] \

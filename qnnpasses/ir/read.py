@@ -6,6 +6,7 @@ attention recognizer, passes, lint).  Nothing here mutates a graph or a constant
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
@@ -32,11 +33,27 @@ def producer_op(tensor: gs.Tensor, op: str | Sequence[str]) -> gs.Node | None:
     return node if node is not None and node.op in ops else None
 
 
+def is_graph_output(graph: gs.Graph, tensor: gs.Tensor) -> bool:
+    """``tensor in graph.outputs``, told as graphsurgeon tells it (tensors are equal by name), by
+    comparing names in C rather than calling a Python ``__eq__`` per output: a KV-cache decoder
+    has two outputs per layer and passes ask this of most tensors, which made the question grow
+    with the square of the layers."""
+    return tensor.name in map(_NAME, graph.outputs)
+
+
+def is_graph_input(graph: gs.Graph, tensor: gs.Tensor) -> bool:
+    """``tensor in graph.inputs``, as :func:`is_graph_output` tells it (two past inputs per layer)."""
+    return tensor.name in map(_NAME, graph.inputs)
+
+
+_NAME = operator.attrgetter("name")
+
+
 def single_consumer(tensor: gs.Tensor, graph: gs.Graph | None = None) -> gs.Node | None:
     """The only node reading ``tensor``, if exactly one does and it is not a graph output."""
     if len(tensor.outputs) != 1:
         return None
-    if graph is not None and tensor in graph.outputs:
+    if graph is not None and is_graph_output(graph, tensor):
         return None
     return tensor.outputs[0]
 

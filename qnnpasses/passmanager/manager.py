@@ -3,10 +3,11 @@
 For each pass it enforces the pass's declaration: a contract that needs opting in runs only
 with ``allow_lossy``; a required property with a checker must hold (else the pass is
 skipped with the reason); a graph with none of the pass's ``anchor_ops`` has nothing it can
-match, and the pass is recorded unchanged without running.  It takes a snapshot for rollback (``snapshot.py``) and runs the pass.  Whether the graph
-changed is decided by a structural fingerprint taken before and after (O(nodes), see
-``fingerprint.py``), never by the pass's ``PassResult.changed``: a pass that says
-"unchanged" and changed the graph is treated as changed and recorded as misreported.
+match, and the pass is recorded unchanged without running.  It takes a snapshot for
+rollback (``snapshot.py``) and runs the pass.  Whether the graph changed is decided by a
+structural fingerprint taken before and after (O(nodes), see ``fingerprint.py``), never by
+the pass's ``PassResult.changed``: a pass that says "unchanged" and changed the graph is
+treated as changed and recorded as misreported.
 Every changed graph is checked (ONNX checker + strict shape inference, shapes refreshed)
 and, with ``verify``, run on onnxruntime CPU on every verification case
 (``backends.cpu.verification_cases``) and compared with the outputs before the pass,
@@ -49,7 +50,7 @@ from qnnpasses.backends.cpu import (
 )
 from qnnpasses.errors import BadInputError, CheckFailedError
 from qnnpasses.ir.checks import check_model, passed_check
-from qnnpasses.ir.model import IRModel
+from qnnpasses.ir.model import IRModel, has_op, node_count
 from qnnpasses.memory import array_bytes, spill, unspill
 from qnnpasses.passmanager.api import (
     ALL_CASES,
@@ -147,11 +148,6 @@ def _fill_structural_delta(record: PassRecord, before: list[tuple[str, str]], af
     delta = Counter(op for _, op in after)
     delta.subtract(Counter(op for _, op in before))
     record.op_delta = {op: count for op, count in sorted(delta.items()) if count}
-
-
-def _has_op(ir: IRModel, ops: frozenset[str]) -> bool:
-    """Whether a node of the graph or of a subgraph has one of the op types ``ops``."""
-    return any(node.op in ops for graph in ir.graphs() for node in graph.nodes)
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:
@@ -276,13 +272,15 @@ class PassManager:
         contract = pass_.contract
         record = PassRecord(index=len(self.records) + 1, name=pass_.name, spec=format_items([pass_]),
                             contract=contract.as_dict(), lossless=not contract.needs_opt_in, iteration=iteration)
-        record.nodes_before = record.nodes_after = sum(len(g.nodes) for g in ir.graphs())
+        # the last fingerprint still describes the graph when it is kept (a walk less per pass)
+        last = self._last_fingerprint
+        record.nodes_before = record.nodes_after = sum(map(len, last.order)) if last else node_count(ir.graph)
         for instrument in self.instruments:
             instrument.before_pass(pass_, ir, record)
         skip = self._skip_reason(pass_, ir)
         if skip:
             record.status, record.reason = SKIPPED, skip
-        elif pass_.anchor_ops and not _has_op(ir, pass_.anchor_ops):
+        elif pass_.anchor_ops and not has_op(ir.graph, pass_.anchor_ops):
             # nothing to match: the graph, its fingerprint and the spare snapshot stay as they are
             record.reason = f"no {', '.join(sorted(pass_.anchor_ops))} in the graph"
             self._check_ensures(pass_, ir, record)

@@ -14,6 +14,8 @@ import onnx_graphsurgeon as gs
 from qnnpasses.ir.graph_ops import finish_graph
 from qnnpasses.ir.model import IRModel, derived_from, stacked_from
 from qnnpasses.ir.read import (  # noqa: F401 - the read helpers, re-exported for passes
+    is_graph_input,
+    is_graph_output,
     producer,
     producer_op,
     single_consumer,
@@ -81,9 +83,9 @@ def can_replace(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> bool:
     of the interface: renaming a graph input, a constant or another output would
     change what the model exposes.
     """
-    if old not in graph.outputs:
+    if not is_graph_output(graph, old):
         return True
-    return not (isinstance(new, gs.Constant) or new in graph.inputs or new in graph.outputs)
+    return not (isinstance(new, gs.Constant) or is_graph_input(graph, new) or is_graph_output(graph, new))
 
 
 def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, *, via_identity: bool = False) -> None:
@@ -105,7 +107,7 @@ def replace_all_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, *, via_ide
         for index, tensor in enumerate(consumer.inputs):
             if tensor is old:
                 consumer.inputs[index] = new  # element-wise: graphsurgeon's lists reject slice assignment
-    if old in graph.outputs:
+    if is_graph_output(graph, old):
         name, dtype, shape = old.name, old.dtype, old.shape
         old.name = f"{name}__replaced"
         new.name = name
