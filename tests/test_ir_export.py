@@ -156,3 +156,22 @@ def test_the_check_serializes_stubbed_constants_subgraphs_and_onnxruntime_ops_al
     _node(ir, "Gelu").domain = "some.vendor"
     assert _serialized_check_model(ir) == _check_route_model(ir) == (
         "node 'Gelu_2' uses operator 'Gelu' of unknown domain 'some.vendor'")
+
+
+OUTER_WEIGHT = """
+<ir_version: 10, opset_import: ["" : 21]>
+g (float[4, 512] x, bool c) => (float[4, 512] y) {
+  a = Add(x, w)
+  y = If(c) <then_branch = t () => (float[4, 512] u) { u = Mul(a, w) }, else_branch = e () => (float[4, 512] v) { v = Sub(a, w) }>
+}
+"""
+
+
+def test_a_branch_reading_a_main_graph_weight_loads_and_checks_by_either_route(tmp_path):
+    # graphsurgeon exports the 8 KB weight as an initializer of each branch too: stubbed there, it
+    # failed the checker, and the model could not be loaded
+    proto = onnx.parser.parse_model(OUTER_WEIGHT)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.full((4, 512), 0.5, np.float32), "w"))
+    ir = load_model(proto)
+    assert checks.check_model(ir) is None
+    assert _serialized_check_model(ir) == _check_route_model(ir)

@@ -130,6 +130,7 @@ def _serialized_for_check(ir: IRModel) -> bytes | str:
                 graph.input.append(_input_info(item.output[0], value.data_type, tuple(value.dims)))
                 input_names.add(item.output[0])
             continue
+        _drop_subgraph_stubs(item)
         unknown, moved = _unknown_operator_or_move_runtime_ops([item], local_functions)
         if unknown:
             return unknown
@@ -144,6 +145,26 @@ def _serialized_for_check(ir: IRModel) -> bytes | str:
 
 # ModelProto.graph's field number (onnx.proto)
 _MODEL_GRAPH_FIELD = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+
+
+def _drop_subgraph_stubs(node: onnx.NodeProto) -> None:
+    """Remove the stubbed initializers of ``node``'s subgraphs (theirs' too).  Graphsurgeon exports
+    every constant a subgraph reads as one of its initializers, those of the outer graph too,
+    where the check has made the stubbed ones typed graph inputs the subgraph sees by outer
+    scope; a stub left in a subgraph fails the checker (no such file), so a model whose If or
+    Loop branch read a weight of the main graph could not be loaded."""
+    if node.op_type not in SUBGRAPH_OPS and node.domain in ("", "ai.onnx"):
+        return
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else (
+            attr.graphs if attr.type == onnx.AttributeProto.GRAPHS else [])
+        for sub in graphs:
+            kept = [t for t in sub.initializer if stub_index(t) is None]
+            if len(kept) != len(sub.initializer):
+                del sub.initializer[:]
+                sub.initializer.extend(kept)
+            for inner in sub.node:
+                _drop_subgraph_stubs(inner)
 
 
 def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
@@ -256,12 +277,11 @@ def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelP
     graph.initializer.extend(kept)
     nodes = []
     for node in graph.node:
-        value = None
-        if node.op_type == "Constant":
-            value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+        value = _constant_value(node)
         if value is not None and stub_index(value) is not None:
             as_input(node.output[0], value)
         else:
+            _drop_subgraph_stubs(node)
             nodes.append(node)
     if len(nodes) != len(graph.node):
         del graph.node[:]
