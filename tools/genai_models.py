@@ -56,22 +56,24 @@ CONTRIB = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "
 # ----------------------------------------------------------------------------- build
 
 
-def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0) -> None:
-    """A random-weight LLaMA or Qwen2 checkpoint + tokenizer in Hugging Face's layout (no hub access)."""
+def write_hf_model(directory: Path, arch: str = "llama", seed: int = 0, config: dict | None = None) -> None:
+    """A random-weight LLaMA or Qwen2 checkpoint + tokenizer in Hugging Face's layout (no hub
+    access); ``config`` replaces :data:`CONFIG`."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    config = config or CONFIG
     torch.manual_seed(seed)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    model = model_cls(config_cls(**CONFIG)).eval()
+    model = model_cls(config_cls(**config)).eval()
     if arch == "qwen2":  # initialised to zero, which the builder would drop
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(directory)
@@ -86,17 +88,25 @@ def build(out: Path, names=tuple(FIXTURES)) -> list[Path]:
             hf = Path(tmp) / f"hf_{arch}"
             if not hf.exists():
                 write_hf_model(hf, arch)
-            target = out / name
-            target.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(target),
-                       "-p", precision, "-e", "cpu", "-c", str(Path(tmp) / "cache")]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0 or not (target / "model.onnx").exists():
-                raise SystemExit(f"builder failed for {name}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-            for extra in ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-                (target / extra).unlink(missing_ok=True)  # the graph and its weights are the fixture
-            made.append(target / "model.onnx")
+            reason = run_builder(hf, out / name, precision, Path(tmp) / "cache")
+            if reason:
+                raise SystemExit(f"builder failed for {name}: {reason}")
+            made.append(out / name / "model.onnx")
     return made
+
+
+def run_builder(hf: Path, target: Path, precision: str, cache: Path) -> str | None:
+    """onnxruntime-genai's builder on the checkpoint ``hf`` for the CPU -> ``target/model.onnx``
+    (the graph and its weights only); ``None``, or the builder's last line when it fails."""
+    target.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(target),
+               "-p", precision, "-e", "cpu", "-c", str(cache)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0 or not (target / "model.onnx").exists():
+        return " ".join((done.stderr or done.stdout).strip().splitlines()[-1:]) or f"exit {done.returncode}"
+    for extra in ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (target / extra).unlink(missing_ok=True)
+    return None
 
 
 # ----------------------------------------------------------------------------- measure
