@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import onnx_graphsurgeon as gs
 from qnnpasses.passes.shapes._symbols import SymbolTable, decode_step, resolve_inputs
 
-from qnnpasses.ir.checks import check_with_output_dims, infer_proto
+from qnnpasses.ir.checks import check_with_output_dims, infer_proto, value_info_dims
 from qnnpasses.ir.model import IRModel, export_with_stubs
 from qnnpasses.ir.shapes import DEFAULT_BATCH, DEFAULT_PAST, DEFAULT_SEQUENCE, is_static
 from qnnpasses.passmanager.api import (
@@ -142,10 +142,6 @@ def _inferred_output_dims(ir: IRModel, names: set[str]) -> dict[str, list]:
         return {}
     found = {}
     for info in list(inferred.graph.output) + list(inferred.graph.value_info):
-        if info.name not in names:
-            continue
-        ttype = info.type.tensor_type
-        if info.name in found or not ttype.HasField("shape"):
-            continue
-        found[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
+        if info.name in names and info.name not in found and (dims := value_info_dims(info)) is not None:
+            found[info.name] = dims
     return found

@@ -47,12 +47,16 @@ def check_with_output_dims(ir: IRModel) -> tuple[str | None, dict[str, list[int 
     problem, inferred = _check(ir, True, None)
     if inferred is None:
         return problem, {}
-    dims = {}
-    for info in inferred.graph.output:
-        ttype = info.type.tensor_type
-        if ttype.HasField("shape"):
-            dims[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
-    return problem, dims
+    return problem, {info.name: dims for info in inferred.graph.output if (dims := value_info_dims(info)) is not None}
+
+
+def value_info_dims(info: onnx.ValueInfoProto) -> list[int | None] | None:
+    """A tensor's dims as inference gives them (an int where static, else ``None``); ``None``
+    without a shape."""
+    ttype = info.type.tensor_type
+    if not ttype.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
 
 
 def _check(ir: IRModel, refresh: bool, now: Fingerprint | None) -> tuple[str | None, onnx.ModelProto | None]:
@@ -107,12 +111,17 @@ def _serialized_for_check(ir: IRModel) -> bytes | str:
     from :func:`export_for_check`'s parts (most nodes already serialized by the last check);
     or the problem, for a node of an unknown domain."""
     proto, nodes = export_for_check(ir)
-    stubs_as_inputs(proto, copy=False)  # the stubbed initializers (the proto holds no node yet)
     graph = proto.graph
-    input_names = {i.name for i in graph.input}
+    rest = []
+    for node, item in nodes:  # stubbed Constants go where stubs_as_inputs makes them typed inputs
+        if isinstance(item, bytes) or _stubbed_constant(item) is None:
+            rest.append((node, item))
+        else:
+            graph.node.append(item)
+    stubs_as_inputs(proto, copy=False)  # they and the stubbed initializers are inputs now
     local_functions = {(f.domain, f.name) for f in proto.functions}
     entries, runtime = [], False
-    for node, item in nodes:
+    for node, item in rest:
         if isinstance(item, bytes):  # plain attributes only: no subgraph, no tensor
             domain = node.domain or ""
             if domain in ("", "ai.onnx"):
@@ -123,12 +132,6 @@ def _serialized_for_check(ir: IRModel) -> bytes | str:
             elif domain not in KNOWN_DOMAINS and (domain, node.op) not in local_functions:
                 return f"node '{node.name}' uses operator '{node.op}' of unknown domain '{domain}'"
             entries.append(item)
-            continue
-        value = _constant_value(item)
-        if value is not None and stub_index(value) is not None:  # a stubbed Constant: a typed input instead
-            if item.output[0] not in input_names:
-                graph.input.append(_input_info(item.output[0], value.data_type, tuple(value.dims)))
-                input_names.add(item.output[0])
             continue
         _drop_subgraph_stubs(item)
         unknown, moved = _unknown_operator_or_move_runtime_ops([item], local_functions)
@@ -153,24 +156,21 @@ def _drop_subgraph_stubs(node: onnx.NodeProto) -> None:
     where the check has made the stubbed ones typed graph inputs the subgraph sees by outer
     scope; a stub left in a subgraph fails the checker (no such file), so a model whose If or
     Loop branch read a weight of the main graph could not be loaded."""
-    if node.op_type not in SUBGRAPH_OPS and node.domain in ("", "ai.onnx"):
-        return
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else (
-            attr.graphs if attr.type == onnx.AttributeProto.GRAPHS else [])
-        for sub in graphs:
-            kept = [t for t in sub.initializer if stub_index(t) is None]
-            if len(kept) != len(sub.initializer):
-                del sub.initializer[:]
-                sub.initializer.extend(kept)
-            for inner in sub.node:
-                _drop_subgraph_stubs(inner)
+    for sub in _subgraphs(node):
+        kept = [t for t in sub.initializer if stub_index(t) is None]
+        if len(kept) != len(sub.initializer):
+            del sub.initializer[:]
+            sub.initializer.extend(kept)
+        for inner in sub.node:
+            _drop_subgraph_stubs(inner)
 
 
-def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+def _stubbed_constant(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The value of a ``Constant`` node when it is a stub, else ``None``."""
     if node.op_type != "Constant":
         return None
-    return next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+    value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+    return value if value is not None and stub_index(value) is not None else None
 
 
 def _unknown_operator_or_move_runtime_ops(nodes, local_functions: set[tuple[str, str]]) -> tuple[str | None, bool]:
@@ -198,7 +198,7 @@ _RUNTIME_DOMAIN = "qnnpasses.onnxruntime"
 def runtime_only_ops(proto: onnx.ModelProto) -> dict[str, int]:
     """Default-domain operators onnx does not know but onnxruntime runs -> how many nodes use each."""
     found: dict[str, int] = {}
-    for node in _walk_nodes(proto.graph):
+    for node in _walk_all(proto.graph.node):
         if node.domain in ("", "ai.onnx") and _runtime_only(node.op_type):
             found[node.op_type] = found.get(node.op_type, 0) + 1
     return found
@@ -226,23 +226,24 @@ def _onnxruntime_default_ops() -> frozenset[str]:
     return _ORT_DEFAULT_OPS
 
 
-def _walk_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of its subgraphs."""
-    yield from _walk_all(graph.node)
-
-
 def _walk_all(nodes):
-    """Every node of ``nodes`` and of their subgraphs.  Only a node that can own a subgraph has
-    its attributes read: the check walks every node after every pass."""
+    """Every node of ``nodes`` and of their subgraphs."""
     for node in nodes:
         yield node
-        if node.op_type in SUBGRAPH_OPS or node.domain not in ("", "ai.onnx"):
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    yield from _walk_nodes(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for g in attr.graphs:
-                        yield from _walk_nodes(g)
+        for sub in _subgraphs(node):
+            yield from _walk_all(sub.node)
+
+
+def _subgraphs(node: onnx.NodeProto):
+    """The graphs in ``node``'s attributes.  Only a node that can own one has its attributes
+    read: the check walks every node after every pass."""
+    if node.op_type not in SUBGRAPH_OPS and node.domain in ("", "ai.onnx"):
+        return
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
 
 
 def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelProto:
@@ -277,8 +278,8 @@ def stubs_as_inputs(proto: onnx.ModelProto, *, copy: bool = True) -> onnx.ModelP
     graph.initializer.extend(kept)
     nodes = []
     for node in graph.node:
-        value = _constant_value(node)
-        if value is not None and stub_index(value) is not None:
+        value = _stubbed_constant(node)
+        if value is not None:
             as_input(node.output[0], value)
         else:
             _drop_subgraph_stubs(node)

@@ -464,7 +464,12 @@ def node_entry(node: onnx.NodeProto) -> bytes:
 def length_delimited(field_number: int, payload: bytes) -> bytes:
     """A protobuf length-delimited field: its tag (wire type 2), the payload's length, both as
     varints, then the payload."""
-    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
+    return _field_header(field_number, len(payload)) + payload
+
+
+def _field_header(field_number: int, length: int) -> bytes:
+    """What precedes a length-delimited field's ``length`` bytes of payload."""
+    return _varint(field_number << 3 | 2) + _varint(length)
 
 
 def _varint(value: int) -> bytes:
@@ -878,12 +883,12 @@ def _write_inline(proto: onnx.ModelProto, sources: list[Source], path: Path) -> 
     entries = []
     for position, head in enumerate(heads):
         index, size = streamed.get(position, (None, 0))
-        raw = _varint(9 << 3 | 2) + _varint(size) if index is not None else b""
-        entries.append((_varint(5 << 3 | 2) + _varint(len(head) + len(raw) + size) + head + raw, index, size))
+        raw = _field_header(9, size) if index is not None else b""
+        entries.append((_field_header(5, len(head) + len(raw) + size) + head + raw, index, size))
     graph_length = len(graph_bytes) + sum(len(entry) + size for entry, _, size in entries)
     with open(path, "wb") as fh:
         fh.write(model_bytes[:model_split])
-        fh.write(_varint(7 << 3 | 2) + _varint(graph_length))
+        fh.write(_field_header(7, graph_length))
         fh.write(graph_bytes[:graph_split])
         for entry, index, size in entries:
             fh.write(entry)
